@@ -276,7 +276,7 @@ class LatentMoE(nn.Module):
     Implementation note: every expert is evaluated on every token and multiplied by a dense
     [N, E] weight matrix that is zero outside the top-k. This is the same function (0 * finite = 0)
     and is fast for the small expert counts of the default model. The summation over experts runs
-    in expert-index order. `last_expert_counts` ([E] int64, tokens routed to each expert in the last
+    in expert-index order. `last_expert_counts` ([E] fp32, tokens routed to each expert in the last
     forward) is kept for the aux-loss-free bias update in training.
     """
 
@@ -327,8 +327,10 @@ class LatentMoE(nn.Module):
         shp = x.shape
         xf = x.reshape(-1, shp[-1])
         idx, w = self.route(xf)
-        with torch.no_grad():
-            self.last_expert_counts = torch.bincount(idx.reshape(-1), minlength=self.E)
+        with torch.no_grad():  # scatter_add, not bincount: no host sync on CUDA
+            flat = idx.reshape(-1)
+            self.last_expert_counts = torch.zeros(self.E, dtype=torch.float32, device=x.device).scatter_add_(
+                0, flat, torch.ones_like(flat, dtype=torch.float32))
         dense_w = torch.zeros(xf.shape[0], self.E, dtype=torch.float32, device=x.device).scatter(-1, idx, w)
         z = self.routed_expert_down_proj(xf)  # [N, Lt]
         W1 = torch.stack([e.w1.weight for e in self.experts])  # [E, Im, Lt]

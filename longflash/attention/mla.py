@@ -1,0 +1,124 @@
+"""Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434) over a paged latent cache.
+
+Two mathematically equal paths (``shared/specs/mla_dcp_fp8.md``):
+- prefill (compute friendly): up-project the cached latents with ``kv_b_proj`` to per-head K/V and
+  attend causally;
+- decode (bandwidth friendly, "absorbed"): fold ``W_UK`` into the query, attend with width
+  ``kv_lora_rank + qk_rope_head_dim`` against the cache rows, apply ``W_UV`` after. Multi-token
+  causal queries (speculative verify) take this path too.
+Options for Kimi-K3: ``use_nope`` (the rope part exists but is not rotated) and an output gate
+``o * sigmoid(g_proj(x))`` before ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from longflash.attention import ops
+from longflash.layers.norm import RMSNorm
+from longflash.layers.rotary import RotaryEmbedding
+from longflash.runner.context import get_forward_context
+
+
+class MLAAttention(nn.Module):
+    """One MLA layer: projections, RoPE, cache write, attention, output projection.
+
+    Weight names follow the DeepSeek/Kimi checkpoints (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``
+    or ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``, optional
+    ``g_proj``). ``kv_cache`` is set by the model runner: [num_blocks, block_size, kv_lora_rank +
+    qk_rope_head_dim]. ``k_scale`` is the fp8 dequantization multiplier (1.0 default).
+
+    forward: hidden [T, H] -> [T, H] (reads the forward context).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rms_norm_eps: float,
+                 rotary: RotaryEmbedding | None, softmax_scale: float, output_gate: bool = False,
+                 q_norm_eps: float | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.scale = softmax_scale
+        self.rotary = rotary
+        eps = rms_norm_eps if q_norm_eps is None else q_norm_eps
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+        self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False) if output_gate else None
+        self.kv_cache: torch.Tensor | None = None
+        self.k_scale: float = 1.0
+
+    # W_UK: [H, qk_nope, R], W_UV: [H, v, R] views of kv_b_proj.weight [H*(nope+v), R].
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    def _k_scale(self) -> float | None:
+        return self.k_scale if self.kv_cache is not None and self.kv_cache.dtype == ops.FP8_DTYPE else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        T = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos_sin(ctx.positions, q.dtype)
+            q_pe = self.rotary.rotate(q_pe, cos, sin)
+            k_pe = self.rotary.rotate(k_pe, cos, sin)
+        ops.concat_and_cache_mla(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self._k_scale())
+
+        out = x.new_empty(T, self.num_heads, self.v_head_dim)
+        w_uk, w_uv = self._w_uk_uv()
+        qsl = ctx.query_start_loc_cpu
+        decode_reqs = [b for b in range(ctx.num_reqs) if ctx.is_decode[b]]
+        prefill_reqs = [b for b in range(ctx.num_reqs) if not ctx.is_decode[b]]
+        for group, fn in ((decode_reqs, self._decode), (prefill_reqs, self._prefill)):
+            for b in group:
+                s, e = qsl[b], qsl[b + 1]
+                if e > s:
+                    out[s:e] = fn(q_nope[s:e], q_pe[s:e], b, ctx, w_uk, w_uv)
+        out = out.reshape(T, self.num_heads * self.v_head_dim)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+    def _decode(self, q_nope, q_pe, b, ctx, w_uk, w_uv) -> torch.Tensor:
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        q_abs = torch.cat([q_lat, q_pe], dim=-1)
+        o_lat, _ = ops.mla_decode_attention(
+            q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
+            self.scale, self.kv_lora_rank, self._k_scale())
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def _prefill(self, q_nope, q_pe, b, ctx, w_uk, w_uv) -> torch.Tensor:
+        L = ctx.seq_lens_cpu[b]
+        rows = ops.gather_and_maybe_dequant_cache(
+            self.kv_cache, ctx.block_table[b:b + 1], torch.tensor([0, L], dtype=torch.int32, device=q_nope.device),
+            None, q_nope.dtype, self._k_scale())
+        kv_c, k_pe = rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(kv_c).view(L, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        o, _ = ops.attention_with_lse(q, k, v, self.scale, causal_offset=L - q.shape[0])
+        return o

@@ -1,0 +1,196 @@
+"""Paged-cache attention ops: PyTorch references that define the semantics.
+
+Each function here is the reference for a GPU kernel with the same signature (the CPU engine
+runs these). Conventions follow vLLM: ``slot = block_id * block_size + offset``, slot -1 = skip;
+LSE = natural log-sum-exp of the scaled attention logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, k_scale: float | torch.Tensor | None) -> torch.Tensor:
+    """Convert rows to the cache dtype; for fp8 store ``sat(x / k_scale)`` (saturating to ±448)."""
+    if cache_dtype == FP8_DTYPE:
+        xf = x.float()
+        if k_scale is not None:
+            xf = xf / k_scale
+        return xf.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x.to(cache_dtype)
+
+
+def dequantize_from_cache(x: torch.Tensor, out_dtype: torch.dtype, k_scale: float | torch.Tensor | None) -> torch.Tensor:
+    """Cache rows back to ``out_dtype``; an fp8 cache is always multiplied by ``k_scale``."""
+    if x.dtype == FP8_DTYPE:
+        xf = x.float()
+        if k_scale is not None:
+            xf = xf * k_scale
+        return xf.to(out_dtype)
+    return x.to(out_dtype)
+
+
+def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None) -> None:
+    """Write MLA latent rows ``[kv_c | k_pe]`` into a paged cache (vLLM ``concat_and_cache_mla``).
+
+    Args:
+        kv_c: [T, kv_lora_rank] model dtype (already normed by kv_a_layernorm).
+        k_pe: [T, qk_rope_head_dim] model dtype (already rotated).
+        kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], model dtype,
+            bf16 or float8_e4m3fn; written in place.
+        slot_mapping: [T] int64; -1 entries are skipped.
+        k_scale: dequantization multiplier for an fp8 cache (stored = sat(x / k_scale)).
+    """
+    num_blocks, block_size, width = kv_cache.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        kv_c, k_pe, slot_mapping = kv_c[valid], k_pe[valid], slot_mapping[valid]
+    rows = quantize_to_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache.dtype, k_scale)
+    kv_cache.view(num_blocks * block_size, width).index_copy_(0, slot_mapping, rows)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
+                      v_scale: float | torch.Tensor | None = None) -> None:
+    """Write GQA keys/values [T, kv_heads, head_dim] into caches [num_blocks, block_size, kv_heads, head_dim]."""
+    nb, bs = key_cache.shape[:2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    key_cache.view(nb * bs, *key_cache.shape[2:]).index_copy_(0, slot_mapping, quantize_to_cache(key, key_cache.dtype, k_scale))
+    value_cache.view(nb * bs, *value_cache.shape[2:]).index_copy_(0, slot_mapping, quantize_to_cache(value, value_cache.dtype, v_scale))
+
+
+def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+                                   seq_starts: torch.Tensor | None, out_dtype: torch.dtype,
+                                   k_scale: float | torch.Tensor | None = None,
+                                   token_to_seq: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather cached rows for a batch of requests into a dense workspace.
+
+    Args:
+        cache: [num_blocks, block_size, *row_shape], model dtype or float8_e4m3fn.
+        block_table: [num_requests, max_blocks] int32, logical -> physical block.
+        cu_seq_lens: [num_requests + 1] int32, row offsets of each request in the output.
+        seq_starts: [num_requests] int32 or None (zeros), first position to gather; need not be
+            block-aligned.
+        out_dtype: dtype of the result (always dequantized from fp8 with ``k_scale``).
+        token_to_seq: [cu_seq_lens[-1]] int32, request of each output row (computed if None).
+    Returns:
+        [cu_seq_lens[-1], *row_shape] in ``out_dtype``: row t holds request b = token_to_seq[t] at
+        position t - cu_seq_lens[b] + seq_starts[b].
+    Raises:
+        ValueError if a position lies beyond the request's block table.
+    Semantics follow vLLM's gather_and_maybe_dequant_cache.
+    """
+    total = int(cu_seq_lens[-1])
+    num_reqs = cu_seq_lens.numel() - 1
+    block_size = cache.shape[1]
+    if total == 0:
+        return torch.empty((0, *cache.shape[2:]), dtype=out_dtype, device=cache.device)
+    if token_to_seq is None:
+        lens = (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
+        token_to_seq = torch.repeat_interleave(torch.arange(num_reqs, device=cache.device), lens)
+    token_to_seq = token_to_seq.long()
+    t = torch.arange(total, device=cache.device)
+    pos = t - cu_seq_lens.long()[token_to_seq]
+    if seq_starts is not None:
+        pos = pos + seq_starts.long()[token_to_seq]
+    logical = pos // block_size
+    if int(logical.max()) >= block_table.shape[1]:
+        raise ValueError("gather position beyond the request's block table")
+    blocks = block_table.long()[token_to_seq, logical]
+    if int(blocks.min()) < 0:
+        raise ValueError("gather position maps to an unallocated block (-1)")
+    flat = cache.reshape(cache.shape[0] * block_size, *cache.shape[2:])
+    rows = flat.index_select(0, blocks * block_size + pos % block_size)
+    return dequantize_from_cache(rows, out_dtype, k_scale)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of one request, fp32 softmax.
+
+    Args:
+        q: [Tq, H, D]; k: [Tk, H or 1, D]; v: [Tk, H or 1, Dv] (a single KV head broadcasts).
+        causal_offset: None = non-causal; else query i sees keys j <= i + causal_offset.
+    Returns:
+        out [Tq, H, Dv] in q's dtype, lse [Tq, H] fp32 (−inf for a query that sees no key).
+    """
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().expand(-1, q.shape[1], -1)) * scale
+    if causal_offset is not None:
+        tq, tk = q.shape[0], k.shape[0]
+        mask = torch.arange(tk, device=q.device)[None, :] > (torch.arange(tq, device=q.device)[:, None] + causal_offset)
+        scores = scores.masked_fill(mask[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
+    # A query with no visible key has an all -inf row: softmax gives NaN there; its output is 0.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0)
+    out = torch.einsum("hqk,khd->qhd", probs, v.float().expand(-1, q.shape[1], -1))
+    return out.to(q.dtype), lse.transpose(0, 1).contiguous()
+
+
+def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         query_start_loc: list[int], seq_lens: list[int], scale: float, kv_lora_rank: int,
+                         k_scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention over a paged latent cache, multi-token causal queries allowed.
+
+    Args:
+        q: [T, H, kv_lora_rank + rope] absorbed queries (``q_nope · W_UK`` ++ rotated ``q_pe``).
+        kv_cache: [num_blocks, block_size, kv_lora_rank + rope], model dtype or fp8 (dequantized
+            on read with ``k_scale``; no dequantized copy of the whole cache is made).
+        block_table: [B, max_blocks] int32.
+        query_start_loc: B + 1 offsets into q; request b's queries are the last
+            ``q_len_b`` positions of its ``seq_lens[b]`` cached tokens (causal among themselves).
+        seq_lens: B, cached tokens per request (the queries' own rows included).
+        scale: softmax scale.
+    Returns:
+        out [T, H, kv_lora_rank] in q's dtype (multiply by W_UV next), lse [T, H] fp32.
+    """
+    T, H, _ = q.shape
+    out = q.new_zeros(T, H, kv_lora_rank)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(len(seq_lens)):
+        s, e, L = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
+        if e == s:
+            continue
+        rows = gather_and_maybe_dequant_cache(
+            kv_cache, block_table[b:b + 1], torch.tensor([0, L], dtype=torch.int32, device=q.device),
+            None, q.dtype, k_scale)
+        kv = rows[:, None, :]
+        o, l = attention_with_lse(q[s:e], kv, kv[..., :kv_lora_rank], scale, causal_offset=L - (e - s))
+        out[s:e], lse[s:e] = o, l
+    return out, lse
+
+
+def paged_gqa_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                        query_start_loc: list[int], seq_lens: list[int], scale: float,
+                        k_scale: float | torch.Tensor | None = None,
+                        v_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Causal GQA attention of each request's queries over its cached keys/values.
+
+    Args:
+        q: [T, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim].
+        query_start_loc / seq_lens: as in :func:`mla_decode_attention`.
+    Returns:
+        [T, num_heads, head_dim] in q's dtype.
+    """
+    T, H, D = q.shape
+    kvh = key_cache.shape[2]
+    out = q.new_zeros(T, H, value_cache.shape[-1])
+    for b in range(len(seq_lens)):
+        s, e, L = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
+        if e == s:
+            continue
+        cu = torch.tensor([0, L], dtype=torch.int32, device=q.device)
+        k = gather_and_maybe_dequant_cache(key_cache, block_table[b:b + 1], cu, None, q.dtype, k_scale)
+        v = gather_and_maybe_dequant_cache(value_cache, block_table[b:b + 1], cu, None, q.dtype, v_scale)
+        rep = H // kvh
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        out[s:e], _ = attention_with_lse(q[s:e], k, v, scale, causal_offset=L - (e - s))
+    return out

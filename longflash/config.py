@@ -1,0 +1,105 @@
+"""Engine configuration: one dataclass with vLLM's argument names, validated on creation."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+               "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """Parse a memory size: an integer number of bytes or e.g. ``2GiB``, ``512MB``, ``1.5G``.
+
+    Binary units (KiB, MiB, GiB, and the bare K/M/G/T) are powers of 1024; KB/MB/GB powers of 1000.
+    Raises ValueError on anything else.
+    """
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse memory size {value!r}; use bytes or e.g. 2GiB, 512MB")
+    n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return n
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: torch.device) -> torch.dtype:
+    """Model dtype: an explicit choice, else ``auto``: fp32 on the CPU, the checkpoint's dtype on a GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    if _DTYPES[dtype] is not None:
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(config_dtype or "bfloat16"), torch.bfloat16) or torch.bfloat16
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model weights.
+
+    Units: ``max_model_len``, ``max_num_batched_tokens``, ``block_size`` in tokens;
+    ``kv_cache_memory`` in bytes (None = ``num_gpu_blocks`` or a default budget).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    num_gpu_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be one of auto, bfloat16, fp8; got {self.kv_cache_dtype!r}")
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        if tp < 1 or dcp < 1 or tp % dcp != 0:
+            raise ValueError(f"decode_context_parallel_size ({dcp}) must divide tensor_parallel_size ({tp})")
+        if tp != 1 or dcp != 1:
+            raise NotImplementedError("tensor/decode-context parallelism is not wired into the engine yet")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")

@@ -1,0 +1,297 @@
+"""The engine: requests in, one scheduled step at a time, outputs out (vLLM's ``LLMEngine``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from longflash.config import EngineConfig, resolve_dtype
+from longflash.engine.block_manager import BlockManager
+from longflash.engine.scheduler import Scheduler
+from longflash.engine.sequence import Sequence
+from longflash.engine.stop_checker import StopChecker
+from longflash.models.loader import load_model
+from longflash.outputs import CompletionOutput, RequestOutput
+from longflash.runner.model_runner import ModelRunner
+from longflash.runner.sampler import compute_logprobs, sample_token
+from longflash.sampling_params import SamplingParams
+
+logger = logging.getLogger("longflash")
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    """Counters since start-up and latency observations not yet drained (seconds)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    request_success: dict[str, int] = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+
+    def drain(self) -> tuple[list[float], list[float], list[float]]:
+        out = (self.ttft, self.itl, self.e2e)
+        self.ttft, self.itl, self.e2e = [], [], []
+        return out
+
+
+def load_tokenizer(path: str):
+    """HF tokenizer from ``tokenizer.json``/``tokenizer_config.json`` (never runs checkpoint code)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+def load_generation_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def _as_set(x) -> set[int]:
+    if x is None:
+        return set()
+    return {int(i) for i in x} if isinstance(x, (list, tuple)) else {int(x)}
+
+
+class LLMEngine:
+    """Owns the model runner, scheduler, block manager and tokenizer.
+
+    Use: ``add_request(...)`` any time, then call ``step()`` until ``has_unfinished_requests()`` is
+    False; each step returns the outputs of requests that advanced.
+    Raises ModelLoadError / ValueError at construction for a bad checkpoint or configuration.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        t0 = time.perf_counter()
+        from longflash.models.loader import load_config
+        model_cfg = load_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, model_cfg.get("torch_dtype") or model_cfg.get("dtype"), self.device)
+        torch.manual_seed(config.seed)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.load_time = time.perf_counter() - t0
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.generation_config = load_generation_config(config.model)
+        self.vocab_size = self.model_config["vocab_size"]
+        self.eos_token_ids = _as_set(self.generation_config.get("eos_token_id", self.model_config.get("eos_token_id")))
+        if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = {self.tokenizer.eos_token_id}
+
+        self.kv_cache_dtype = self._kv_cache_dtype()
+        spec = self.model.kv_cache_spec()
+        self.kv_bytes_per_token = spec.bytes_per_token(self.kv_cache_dtype)
+        bs = config.block_size
+        if config.num_gpu_blocks is not None:
+            num_blocks = config.num_gpu_blocks
+        else:
+            budget = config.kv_cache_memory or self._default_kv_budget()
+            num_blocks = budget // (self.kv_bytes_per_token * bs)
+        if num_blocks < 1:
+            raise ValueError("the KV cache memory budget holds no block; raise --kv-cache-memory")
+        self.num_blocks = int(num_blocks)
+        capacity = self.num_blocks * bs
+        model_max = int(self.model_config.get("max_position_embeddings") or capacity)
+        if config.max_model_len is None:
+            self.max_model_len = min(model_max, capacity)
+        else:
+            if config.max_model_len > capacity:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache capacity of {capacity} "
+                                 f"tokens; lower --max-model-len or raise --kv-cache-memory")
+            self.max_model_len = config.max_model_len
+        self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device)
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.sampling_generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.stats = EngineStats()
+        self.requests: dict[str, Sequence] = {}
+        self._counter = 0
+        self.log_startup()
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _kv_cache_dtype(self) -> torch.dtype:
+        kvd = self.config.kv_cache_dtype
+        if kvd == "auto":
+            return self.dtype
+        if kvd == "bfloat16":
+            return torch.bfloat16
+        return torch.float8_e4m3fn
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9) - (1 << 30)
+        return DEFAULT_CPU_KV_CACHE_BYTES
+
+    def startup_report(self) -> dict:
+        """Load time (s), KV cache size in tokens/blocks/bytes, max concurrency at max_model_len."""
+        bs = self.config.block_size
+        tokens = self.num_blocks * bs
+        per_req_blocks = self.block_manager.blocks_needed(self.max_model_len)
+        return {
+            "model_load_time_s": round(self.load_time, 3),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_cache_dtype": str(self.kv_cache_dtype).replace("torch.", ""),
+            "kv_cache_tokens": tokens,
+            "kv_cache_blocks": self.num_blocks,
+            "kv_cache_bytes": tokens * self.kv_bytes_per_token,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "max_model_len": self.max_model_len,
+            "max_concurrency": round(self.num_blocks / per_req_blocks, 2),
+        }
+
+    def log_startup(self) -> None:
+        r = self.startup_report()
+        logger.info("model loaded in %.2f s (dtype %s, device %s)", r["model_load_time_s"], r["dtype"], self.device)
+        logger.info("KV cache: %d tokens in %d blocks of %d (%s, %d bytes/token, %.1f MiB)", r["kv_cache_tokens"],
+                    r["kv_cache_blocks"], self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
+                    r["kv_cache_bytes"] / 2**20)
+        logger.info("maximum concurrency for %d tokens per request: %.2fx", r["max_model_len"], r["max_concurrency"])
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def new_request_id(self) -> str:
+        self._counter += 1
+        return str(self._counter)
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the problem: empty prompt, token out of vocabulary, too long."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: at least one token is required")
+        bad = [t for t in prompt_token_ids if not (0 <= int(t) < self.vocab_size)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                             f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} exceed it")
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids": [...]}``.
+
+        Returns the request id. Raises ValueError (nothing is queued) for invalid input.
+        """
+        text = None
+        if isinstance(prompt, dict):
+            ids = list(prompt.get("prompt_token_ids") or [])
+            text = prompt.get("prompt")
+            if not ids and text is not None:
+                ids = self.tokenize(text)
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt) if prompt else []
+        else:
+            ids = [int(t) for t in prompt]
+        params.validate()
+        self.validate_prompt(ids, params)
+        request_id = request_id or self.new_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, text, arrival_time)
+        if params.seed is None:
+            seq.generator = None
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and free its KV blocks at once. Returns False if it was unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(request_id)
+        seq.finish_reason = seq.finish_reason or "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, update requests. Returns the requests that
+        produced a token or finished (cumulative text and token ids)."""
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if not sched.scheduled:
+            return []
+        now = time.time()
+        logits, sample_rows = self.runner.execute(sched)
+        outputs = []
+        now = time.time()
+        for s, row in zip(sched.scheduled, sample_rows):
+            seq = s.seq
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if row < 0:
+                continue
+            token = self._sample(seq, logits[row])
+            self._append(seq, token, now)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        gen = seq.generator if seq.generator is not None else self.sampling_generator
+        token = sample_token(logits, seq.sampling_params, gen)
+        if seq.output_logprobs is not None:
+            decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
+            seq.output_logprobs.append(compute_logprobs(logits, token, seq.sampling_params.logprobs, decode))
+        return token
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.stats.ttft.append(now - m.arrival_time)
+        else:
+            self.stats.itl.append(now - m.last_token_time)
+            m.num_decode_steps += 1
+        m.last_token_time = now
+        seq.append_token(token)
+        m.num_generation_tokens += 1
+        m.num_cached_tokens = seq.num_cached_tokens
+        self.stats.generation_tokens += 1
+        if self.stop_checker.check(seq):
+            self._finish(seq, now)
+
+    def _finish(self, seq: Sequence, now: float) -> None:
+        self.scheduler.finish(seq)
+        seq.metrics.finished_time = now
+        self.stats.e2e.append(now - seq.metrics.arrival_time)
+        self.stats.request_success[seq.finish_reason] = self.stats.request_success.get(seq.finish_reason, 0) + 1
+        self.requests.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids),
+                                list(seq.output_logprobs) if seq.output_logprobs is not None else None,
+                                seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [comp], seq.is_finished,
+                             seq.metrics, seq.num_cached_tokens)

@@ -1,0 +1,88 @@
+"""Offline inference API shaped like vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from longflash.config import EngineConfig
+from longflash.default_model_path import default_model_path
+from longflash.engine.llm_engine import LLMEngine
+from longflash.outputs import RequestOutput
+from longflash.sampling_params import SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+class LLM:
+    """``LLM(model=PATH, dtype=..., skip_tokenizer_init=False, **engine_args)``.
+
+    ``model`` defaults to the embedded default model. Engine arguments are those of
+    :class:`longflash.config.EngineConfig` (vLLM's names: max_model_len, max_num_batched_tokens,
+    max_num_seqs, block_size, kv_cache_memory, enable_prefix_caching, seed, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model or default_model_path(), **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's ``generation_config.json`` defaults (temperature, top_p, top_k)."""
+        gc = self.engine.generation_config
+        kw = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in gc}
+        if gc.get("do_sample") is False:
+            kw["temperature"] = 0.0
+        return SamplingParams(**kw)
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text, ``{"prompt_token_ids": [...]}``, or a list of ids).
+
+        Returns one RequestOutput per prompt, in input order. Raises ValueError for an invalid
+        prompt before anything runs.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt is required")
+        ids = []
+        try:
+            for p, sp in zip(prompts, sampling_params):
+                ids.append(self.engine.add_request(None, p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in convs:
+            ids = self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                            tokenize=True)
+            if isinstance(ids, dict):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [final[i] for i in ids]

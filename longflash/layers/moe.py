@@ -1,0 +1,113 @@
+"""Mixture of experts with DeepSeek-V3 routing (arXiv 2412.19437 §2.1.2).
+
+Router: ``s = sigmoid(x · W_gate^T)`` in fp32 (or softmax); choice scores ``s + e_score_correction_bias``
+(auxiliary-loss-free balancing, "noaux_tc"); experts split into ``n_group`` groups, a group's score is the
+sum of its two best choice scores, the best ``topk_group`` groups are kept; top-k experts among them;
+weights are ``s`` (without bias) at those experts, renormalised when ``norm_topk_prob`` and multiplied
+by ``routed_scaling_factor``. Matches HF ``DeepseekV3TopkRouter``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longflash.layers.mlp import GatedMLP
+from longflash.layers.norm import RMSNorm
+
+
+class TopkRouter(nn.Module):
+    """Parameters ``weight`` [E, H] and ``e_score_correction_bias`` [E] (fp32)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, scoring_func: str = "sigmoid",
+                 use_bias: bool = True):
+        super().__init__()
+        if num_experts % n_group:
+            raise ValueError(f"n_routed_experts ({num_experts}) must be divisible by n_group ({n_group})")
+        if top_k > num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) exceeds the number of experts ({num_experts})")
+        if scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"unsupported config value scoring_func={scoring_func!r}; supported: sigmoid, softmax")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if use_bias else None
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.scoring_func = scoring_func
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            T = x.shape[0]
+            grouped = choice.view(T, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if grouped.shape[-1] >= 2 else grouped.max(-1)[0]
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+            score_mask = group_mask[:, :, None].expand_as(grouped).reshape(T, self.num_experts)
+            choice = choice.masked_fill(score_mask == 0, float("-inf"))
+        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+        return topk_weights * self.routed_scaling_factor, topk_ids
+
+
+def run_experts(x: torch.Tensor, experts: nn.ModuleList, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Reference expert computation: for each expert hit, its tokens through it, weighted and summed.
+
+    x [T, D]; topk_* [T, k]. Returns [T, D_out] in x's dtype (fp32 accumulation is not used, to
+    match HF's ``index_add_`` order in the model dtype).
+    """
+    out = None
+    for e in torch.unique(topk_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == e)
+        y = experts[e](x[token_idx]) * topk_weights[token_idx, slot, None].to(x.dtype)
+        if out is None:
+            out = x.new_zeros(x.shape[0], y.shape[-1])
+        out.index_add_(0, token_idx, y)
+    if out is None:
+        out = x.new_zeros(x.shape[0], experts[0].down_proj.out_features)
+    return out
+
+
+class MoE(nn.Module):
+    """Routed experts + optional shared experts, with Kimi-K3's optional latent projection
+    (``routed_expert_down_proj`` → experts → ``routed_expert_norm`` → ``routed_expert_up_proj``).
+
+    The router always sees the un-projected x. x [T, H] -> [T, H].
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, moe_intermediate_size: int, router: TopkRouter,
+                 act_and_mul: Callable, num_shared_experts: int = 0, latent_size: int | None = None,
+                 latent_norm: bool = False, rms_norm_eps: float = 1e-6):
+        super().__init__()
+        self.gate = router
+        expert_width = latent_size or hidden_size
+        self.experts = nn.ModuleList(GatedMLP(expert_width, moe_intermediate_size, act_and_mul) for _ in range(num_experts))
+        self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts, act_and_mul)
+                               if num_shared_experts else None)
+        self.latent_size = latent_size
+        if latent_size:
+            self.routed_expert_down_proj = nn.Linear(hidden_size, latent_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent_size, hidden_size, bias=False)
+            self.routed_expert_norm = RMSNorm(latent_size, rms_norm_eps) if latent_norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        h = self.routed_expert_down_proj(x) if self.latent_size else x
+        y = run_experts(h, self.experts, topk_weights, topk_ids)
+        if self.latent_size:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

@@ -1,0 +1,62 @@
+"""What every causal LM in the registry provides to the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class KVCacheSpec:
+    """Per-layer paged cache layout.
+
+    ``row_shape`` is the shape of one token's entry: MLA ``(kv_lora_rank + qk_rope_head_dim,)``;
+    GQA ``(num_kv_heads, head_dim)`` for each of K and V (``num_planes`` = 2).
+    """
+
+    num_layers: int
+    row_shape: tuple[int, ...]
+    num_planes: int  # 1 for an MLA latent cache, 2 for separate K and V
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of KV per token over all layers."""
+        n = 1
+        for d in self.row_shape:
+            n *= d
+        return n * self.num_planes * self.num_layers * torch.empty((), dtype=dtype).element_size()
+
+    def block_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        if self.num_planes == 1:
+            return (num_blocks, block_size, *self.row_shape)
+        return (self.num_planes, num_blocks, block_size, *self.row_shape)
+
+
+class CausalLM(nn.Module):
+    """Base class: subclasses define ``model`` (with ``embed_tokens``, ``layers``, ``norm``) and
+    ``lm_head``, ``kv_cache_spec()``, and may override ``remap_checkpoint_name``."""
+
+    config: dict
+
+    def attention_layers(self) -> list[nn.Module]:
+        """Modules holding a ``kv_cache`` attribute, in layer order."""
+        return [m for m in self.modules() if hasattr(m, "kv_cache")]
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [N, H] -> logits [N, vocab] fp32."""
+        return self.lm_head(hidden).float()
+
+    def remap_checkpoint_name(self, name: str) -> str | None:
+        """Checkpoint tensor name -> parameter name, or None to skip the tensor."""
+        return name
+
+    def tie_weights_if_needed(self, loaded: set[str]) -> set[str]:
+        """Tie ``lm_head`` to the embedding when the config asks for it (or the checkpoint lacks it)."""
+        if "lm_head.weight" not in loaded and self.config.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+            loaded = loaded | {"lm_head.weight"}
+        return loaded

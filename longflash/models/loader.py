@@ -1,0 +1,122 @@
+"""Load an HF model directory: ``config.json`` + ``*.safetensors`` (single file or sharded with
+``model.safetensors.index.json``). Only safetensors are read; no code from a checkpoint ever runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from longflash.models.base import CausalLM
+from longflash.models.registry import get_model_class, resolve_architecture
+
+logger = logging.getLogger("longflash")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
+
+
+def load_config(model_dir: str) -> dict:
+    """Read ``config.json``. Raises ModelLoadError if missing or not JSON."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"no config.json in model directory {model_dir!r}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"config.json in {model_dir!r} is not valid JSON: {e}") from e
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files, in index order when sharded.
+
+    Raises ModelLoadError when there are none (e.g. only ``pytorch_model.bin``), or when the
+    index names a missing shard.
+    """
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(model_dir, name)):
+                raise ModelLoadError(f"shard {name!r} listed in model.safetensors.index.json is missing")
+        return [os.path.join(model_dir, n) for n in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir!r} (only safetensors checkpoints are supported)")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def iterate_tensors(files: list[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    names = []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.extend((path, k) for k in f.keys())
+    bar = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+                bar.update(1)
+    bar.close()
+
+
+def build_model(config: dict, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Instantiate the registered model for ``config`` without initialising weights."""
+    cls = get_model_class(resolve_architecture(config))
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype)
+    for m in model.modules():  # routers stay fp32 (HF keeps them fp32 too)
+        if hasattr(m, "e_score_correction_bias"):
+            m.float()
+    return model.to_empty(device=device)
+
+
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the model's parameters.
+
+    Raises ModelLoadError naming a tensor whose shape differs from the model's, or a parameter the
+    checkpoint does not provide. Unknown tensors are skipped with one warning line.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for ckpt_name, tensor in tensors:
+        name = model.remap_checkpoint_name(ckpt_name)
+        if name is None:
+            continue
+        param = params.get(name)
+        if param is None:
+            unexpected.append(ckpt_name)
+            continue
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ModelLoadError(f"tensor {ckpt_name!r} has shape {list(tensor.shape)} in the checkpoint, "
+                                 f"expected {list(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+    loaded = model.tie_weights_if_needed(loaded)
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"checkpoint is missing tensor {missing[0]!r}{more}")
+    if unexpected:
+        logger.warning("skipped %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[0])
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progress: bool = True) -> tuple[CausalLM, dict]:
+    """Config + weights -> an eval-mode model on ``device``. Raises ModelLoadError / ValueError."""
+    config = load_config(model_dir)
+    files = safetensors_files(model_dir)
+    model = build_model(config, dtype, device)
+    load_weights(model, iterate_tensors(files, progress))
+    return model.eval(), config

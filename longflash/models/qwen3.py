@@ -1,0 +1,74 @@
+"""Qwen3 dense models (``Qwen3ForCausalLM``): GQA with per-head q/k RMSNorm, RoPE, SwiGLU.
+
+Reference implementation for parity tests: HF transformers ``Qwen3ForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from longflash.attention.gqa import GQAAttention
+from longflash.layers.activation import get_act_and_mul
+from longflash.layers.mlp import GatedMLP
+from longflash.layers.norm import RMSNorm
+from longflash.layers.rotary import RotaryEmbedding, rope_parameters
+from longflash.models.base import CausalLM, KVCacheSpec
+
+
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, rotary: RotaryEmbedding):
+        super().__init__()
+        H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = GQAAttention(H, cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                                      _head_dim(cfg), rotary, eps, qk_norm=True, bias=cfg.get("attention_bias", False))
+        self.mlp = GatedMLP(H, cfg["intermediate_size"], get_act_and_mul(cfg))
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        if cfg.get("use_sliding_window"):
+            raise ValueError("unsupported config value use_sliding_window=true for Qwen3")
+        rotary = RotaryEmbedding(_head_dim(cfg), rope_parameters(cfg), cfg.get("max_position_embeddings", 32768))
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class Qwen3ForCausalLM(CausalLM):
+    """forward(input_ids [T] int64) -> final-normed hidden [T, H] (reads the forward context)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Model(cfg)
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(c["num_hidden_layers"], (c.get("num_key_value_heads") or c["num_attention_heads"], _head_dim(c)), 2)
+
+    def remap_checkpoint_name(self, name: str) -> str | None:
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        return name

@@ -1,0 +1,65 @@
+"""Per-request sampling settings, shaped like vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output tokens.
+
+    Attributes:
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below min_p times the top probability; 0 disables it.
+        seed: per-request RNG seed; the same seed gives the same tokens.
+        max_tokens: maximum number of generated tokens (>= 1).
+        stop: strings that end generation; the matched string is not part of the output text.
+        stop_token_ids: token ids that end generation (kept in the token ids, not in the text).
+        ignore_eos: keep generating past the EOS token.
+        logprobs: None = none; N >= 0 = the sampled token's logprob plus the top N.
+        skip_special_tokens: drop special tokens when detokenizing.
+    Raises:
+        ValueError from ``validate()`` naming the offending field.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is None or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")

@@ -120,6 +120,8 @@ class LLMEngine:
         self.sampling_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.stats = EngineStats()
         self.requests: dict[str, Sequence] = {}
+        # (request_id, exception) of requests that step() failed and aborted; drained by the caller.
+        self.failed_requests: list[tuple[str, Exception]] = []
         self._counter = 0
         self.log_startup()
 
@@ -253,8 +255,16 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             if row < 0:
                 continue
-            token = self._sample(seq, logits[row])
-            self._append(seq, token, now)
+            try:
+                token = self._sample(seq, logits[row])
+                self._append(seq, token, now)
+            except Exception as e:
+                # NOTE: one request's sampling/detokenization failure fails that request only; the
+                # others in the batch keep their tokens. The caller drains ``failed_requests``.
+                logger.exception("request %s failed in the engine", seq.request_id)
+                self.abort_request(seq.request_id)
+                self.failed_requests.append((seq.request_id, e))
+                continue
             outputs.append(self._output(seq))
         return outputs
 

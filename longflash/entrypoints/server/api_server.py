@@ -1,0 +1,520 @@
+"""FastAPI app: OpenAI-compatible routes on top of the background engine loop.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
+POST /tokenize, POST /detokenize, GET /metrics.
+
+Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
+input (malformed JSON, invalid UTF-8, wrong types, out-of-range values, prompts the engine rejects),
+401 without the API key, 404 for an unknown model or route, 413 for a body over the limit, 500 when
+the engine fails a request (the other requests go on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import longflash
+from longflash.entrypoints.server.async_engine import AsyncEngine, EngineRequestError, RequestStream
+from longflash.entrypoints.server.metrics import ServerMetrics
+from longflash.entrypoints.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                                   DetokenizeRequest, TokenizeRequest, chat_logprobs,
+                                                   completion_logprobs, error_body, usage)
+from longflash.sampling_params import SamplingParams
+
+logger = logging.getLogger("longflash.server")
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs", "stop", "seed")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a ValueError from SamplingParams/the engine is about."""
+    first = message.split(" ", 1)[0]
+    if first in _PARAM_FIELDS:
+        return first
+    if "context length" in message:
+        return "max_tokens"
+    if "prompt" in message or "token id" in message:
+        return "prompt"
+    return None
+
+
+def _ids_of(encoded) -> list[int]:
+    """Token ids from ``apply_chat_template(tokenize=True)`` (a list or a BatchEncoding)."""
+    if hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    return [int(t) for t in encoded]
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            d["content"] = "".join(p.text for p in m.content)
+        elif m.content is None:
+            d["content"] = ""
+        out.append(d)
+    return out
+
+
+def _chat_ids(engine, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+    """Apply the tokenizer's chat template. Runs on the engine thread. Raises ValueError."""
+    if engine.tokenizer is None:
+        raise ValueError("chat needs a tokenizer; the server was started with --skip-tokenizer-init")
+    try:
+        return _ids_of(engine.tokenizer.apply_chat_template(
+            _message_dicts(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **(kwargs or {})))
+    except ValueError:
+        raise
+    except Exception as e:  # jinja2 errors, bad chat_template_kwargs
+        raise ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}") from e
+
+
+class _Server:
+    """The routes' shared state."""
+
+    def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], model_path: str,
+                 metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, max_logprobs: int,
+                 speculative_config: dict | None):
+        self.ae = async_engine
+        self.engine = async_engine.engine
+        self.names = served_model_names
+        self.model_path = model_path
+        self.metrics = metrics
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.max_logprobs = max_logprobs
+        self.speculative_config = speculative_config
+        self.created = int(time.time())
+        gc = self.engine.generation_config
+        self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in gc}
+        if gc.get("do_sample") is False:
+            self.defaults["temperature"] = 0.0
+
+    # ---- request checks -------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def parse(self, request: Request, cls: type[BaseModel]) -> Any:
+        """Read the body under the size limit, decode strict UTF-8, parse JSON, validate types."""
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:
+            raise ApiError(413, f"the request body ({cl} bytes) exceeds the limit of {self.max_body_bytes} bytes",
+                           code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise ApiError(413, f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                               code="request_too_large")
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"the request body is not valid UTF-8 (invalid byte at offset {e.start})",
+                           code="invalid_utf8") from None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        try:  # lone surrogates (\ud800) decode from JSON but are not text
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request contains an invalid Unicode escape (a lone surrogate)",
+                           code="invalid_utf8") from None
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = [str(x) for x in err["loc"]]
+            # Drop union-branch names (e.g. prompt.str) so that the param is the field path.
+            param = ".".join(x for x in loc if x not in ("str", "int", "list[int]", "list[str]", "list[list[int]]",
+                                                         "list[TextPart]", "TextPart"))
+            raise ApiError(400, f"invalid field {param!r}: {err['msg']}", param=param or None,
+                           code="invalid_type" if "type" in err["type"] or "parsing" in err["type"]
+                           else "invalid_value") from None
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.names:
+            raise ApiError(404, f"The model `{model}` does not exist. Served models: {', '.join(self.names)}",
+                           param="model", code="model_not_found")
+        return self.names[0]
+
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if req.n != 1:
+            raise ApiError(400, f"n must be 1 (only one choice per request is supported), got {req.n}", param="n",
+                           code="invalid_value")
+        if max_tokens is not None and max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens",
+                           code="invalid_value")
+        if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
+            raise ApiError(400, f"logprobs must be in [0, {self.max_logprobs}], got {logprobs}", param="logprobs",
+                           code="invalid_value")
+        d = self.defaults
+
+        def pick(name: str, default):
+            v = getattr(req, name)
+            return v if v is not None else d.get(name, default)
+
+        try:
+            return SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                                  top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=req.seed,
+                                  max_tokens=max_tokens or 1, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                                  ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                  skip_special_tokens=req.skip_special_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
+
+    async def add(self, request_id: str, prompt_fn: Callable[[Any], list[int]], params: SamplingParams,
+                  default_max_tokens: bool) -> RequestStream:
+        """Queue a request whose token ids ``prompt_fn(engine)`` computes on the engine thread."""
+        def build(engine):
+            ids = prompt_fn(engine)
+            if default_max_tokens:  # vLLM's default: the rest of the context window
+                params.max_tokens = max(engine.max_model_len - len(ids), 1)
+            return {"prompt_token_ids": ids}, params
+
+        try:
+            return await self.ae.add_request(request_id, build)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
+        except EngineRequestError as e:
+            raise ApiError(503, str(e), code="engine_unavailable") from None
+
+    async def collect(self, stream: RequestStream, request: Request):
+        """Final output of a non-streaming request; aborts it if the client goes away first."""
+        async def drain():
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        async def disconnected():
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        task = asyncio.ensure_future(drain())
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                self.ae.abort(stream.request_id)
+        if not task.done() or task.cancelled():
+            raise ApiError(499, "the client closed the request", code="client_closed_request")
+        try:
+            return task.result()
+        except EngineRequestError as e:
+            raise ApiError(500, str(e), code="engine_error") from None
+
+    def decode_token(self, tid: int) -> str:
+        return self.engine.tokenizer.decode([tid]) if self.engine.tokenizer is not None else ""
+
+
+def _stream_with_abort(srv: _Server, stream: RequestStream,
+                       body: Callable[[RequestStream], AsyncIterator[str]]) -> StreamingResponse:
+    """SSE response; a client that disconnects mid-stream aborts the request (its blocks are freed
+    before the next engine step)."""
+    async def gen():
+        try:
+            async for frame in body(stream):
+                yield frame
+        except EngineRequestError as e:
+            yield _sse(error_body(500, str(e), code="engine_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not stream.finished:
+                srv.ae.abort(stream.request_id)
+
+    return StreamingResponse(gen(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _held_back(params: SamplingParams) -> int:
+    """Characters to hold back while streaming so that a stop string is never partly sent."""
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_path: str, metrics: ServerMetrics,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_logprobs: int = 20,
+              speculative_config: dict | None = None) -> FastAPI:
+    """The FastAPI app. Starts ``async_engine`` on start-up and stops it on shutdown."""
+    srv = _Server(async_engine, served_model_names, model_path, metrics, api_key, max_body_bytes, max_logprobs,
+                  speculative_config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not async_engine._thread.is_alive():
+            async_engine.start()
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="longflash", version=longflash.__version__, lifespan=lifespan)
+    app.state.server = srv
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return _error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return _error_response(e.status_code, str(e.detail), code=code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return _error_response(400, str(e), code="invalid_value")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        logger.exception("unhandled error in %s", request.url.path)
+        return _error_response(500, f"internal server error: {type(e).__name__}", code="internal_error")
+
+    # ---- information routes --------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_alive:
+            return _error_response(503, "the engine loop is not running", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": longflash.__version__}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        srv.check_auth(request)
+        data = [{"id": name, "object": "model", "created": srv.created, "owned_by": "longflash",
+                 "root": model_path, "parent": None, "max_model_len": srv.engine.max_model_len}
+                for name in served_model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- tokenizer routes ----------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        srv.check_auth(request)
+        req: TokenizeRequest = await srv.parse(request, TokenizeRequest)
+        srv.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt", code="invalid_value")
+
+        def fn(engine):
+            if engine.tokenizer is None:
+                raise ValueError("the server was started with --skip-tokenizer-init")
+            if req.messages is not None:
+                return _chat_ids(engine, req.messages, req.add_generation_prompt, None)
+            return list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+
+        try:
+            ids = await async_engine.run(fn)
+        except ValueError as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
+        return {"count": len(ids), "max_model_len": srv.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        srv.check_auth(request)
+        req: DetokenizeRequest = await srv.parse(request, DetokenizeRequest)
+        srv.check_model(req.model)
+        vocab = srv.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens",
+                           code="invalid_value")
+
+        def fn(engine):
+            if engine.tokenizer is None:
+                raise ValueError("the server was started with --skip-tokenizer-init")
+            return engine.tokenizer.decode(req.tokens)
+
+        try:
+            text = await async_engine.run(fn)
+        except ValueError as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
+        return {"prompt": text}
+
+    # ---- completions ---------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        srv.check_auth(request)
+        req: CompletionRequest = await srv.parse(request, CompletionRequest)
+        model = srv.check_model(req.model)
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo", code="invalid_value")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"a batch of {len(prompt)} prompts is not supported; send one prompt per "
+                               "request", param="prompt", code="invalid_value")
+            prompt = prompt[0]
+        params = srv.sampling_params(req, req.max_tokens, req.logprobs)
+
+        def prompt_fn(engine):
+            if isinstance(prompt, str):
+                return engine.tokenize(prompt) if prompt else []
+            return list(prompt)
+
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = await srv.add(rid, prompt_fn, params, req.max_tokens is None)
+        created = int(time.time())
+        want_lp = req.logprobs is not None
+
+        if not req.stream:
+            final = await srv.collect(stream, request)
+            comp = final.outputs[0]
+            lp = (completion_logprobs(comp.token_ids, comp.logprobs or [], 0, srv.decode_token)
+                  if want_lp else None)
+            return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": comp.text, "logprobs": lp, "finish_reason": comp.finish_reason,
+                                 "stop_reason": comp.stop_reason}],
+                    "usage": usage(len(final.prompt_token_ids), len(comp.token_ids)), "system_fingerprint": None}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        hold = _held_back(params)
+
+        async def body(stream: RequestStream):
+            sent_text = sent_tok = 0
+            text_offset = 0
+            final = None
+            async for out in stream:
+                comp = out.outputs[0]
+                text = comp.text
+                upto = len(text) if out.finished else len(text) - hold
+                delta = text[sent_text:upto] if upto > sent_text else ""
+                sent_text = max(sent_text, upto)
+                lp = None
+                if want_lp and len(comp.token_ids) > sent_tok:
+                    lp = completion_logprobs(comp.token_ids[sent_tok:], (comp.logprobs or [])[sent_tok:],
+                                             text_offset, srv.decode_token)
+                    text_offset += sum(len(t) for t in lp["tokens"])
+                sent_tok = len(comp.token_ids)
+                if delta or lp is not None or out.finished:
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [{"index": 0, "text": delta, "logprobs": lp,
+                                          "finish_reason": comp.finish_reason if out.finished else None,
+                                          "stop_reason": comp.stop_reason if out.finished else None}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                final = out
+            if include_usage and final is not None:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": usage(len(final.prompt_token_ids),
+                                                          len(final.outputs[0].token_ids))})
+            yield "data: [DONE]\n\n"
+
+        return _stream_with_abort(srv, stream, body)
+
+    # ---- chat completions ----------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        srv.check_auth(request)
+        req: ChatCompletionRequest = await srv.parse(request, ChatCompletionRequest)
+        model = srv.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs",
+                           code="invalid_value")
+        top_n = req.top_logprobs or 0
+        if top_n and not 0 <= top_n <= srv.max_logprobs:
+            raise ApiError(400, f"top_logprobs must be in [0, {srv.max_logprobs}], got {top_n}",
+                           param="top_logprobs", code="invalid_value")
+        params = srv.sampling_params(req, max_tokens, top_n if req.logprobs else None)
+        messages, agp, kwargs = req.messages, req.add_generation_prompt, req.chat_template_kwargs
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs), params,
+                               max_tokens is None)
+        created = int(time.time())
+
+        if not req.stream:
+            final = await srv.collect(stream, request)
+            comp = final.outputs[0]
+            lp = chat_logprobs(comp.token_ids, comp.logprobs or [], top_n, srv.decode_token) if req.logprobs else None
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
+                                 "logprobs": lp, "finish_reason": comp.finish_reason,
+                                 "stop_reason": comp.stop_reason}],
+                    "usage": usage(len(final.prompt_token_ids), len(comp.token_ids)), "system_fingerprint": None}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        hold = _held_back(params)
+
+        def chunk(delta: dict, finish_reason=None, lp=None) -> str:
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
+            if include_usage:
+                c["usage"] = None
+            return _sse(c)
+
+        async def body(stream: RequestStream):
+            yield chunk({"role": "assistant", "content": ""})
+            sent_text = sent_tok = 0
+            final = None
+            async for out in stream:
+                comp = out.outputs[0]
+                text = comp.text
+                upto = len(text) if out.finished else len(text) - hold
+                delta = text[sent_text:upto] if upto > sent_text else ""
+                sent_text = max(sent_text, upto)
+                lp = None
+                if req.logprobs and len(comp.token_ids) > sent_tok:
+                    lp = chat_logprobs(comp.token_ids[sent_tok:], (comp.logprobs or [])[sent_tok:], top_n,
+                                       srv.decode_token)
+                sent_tok = len(comp.token_ids)
+                if delta or lp is not None or out.finished:
+                    yield chunk({"content": delta} if delta else {},
+                                comp.finish_reason if out.finished else None, lp)
+                final = out
+            if include_usage and final is not None:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": usage(len(final.prompt_token_ids),
+                                                          len(final.outputs[0].token_ids))})
+            yield "data: [DONE]\n\n"
+
+        return _stream_with_abort(srv, stream, body)
+
+    return app

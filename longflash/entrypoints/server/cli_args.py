@@ -1,0 +1,113 @@
+"""``longflash serve`` flags (vLLM's names) and the entry point that starts uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from longflash.config import parse_bytes
+
+logger = logging.getLogger("longflash.server")
+
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def parse_speculative_config(value: str) -> dict | None:
+    """``--speculative-config``: a JSON object (vLLM's), or ``off``/``none`` for none.
+
+    Checked now: valid JSON, an object, ``num_speculative_tokens`` a positive integer when given,
+    ``method`` a string when given. Stored for the DFlash wiring; the engine does not use it yet.
+    """
+    if value.strip().lower() in ("off", "none", "null", ""):
+        return None
+    try:
+        cfg = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if cfg is None:
+        return None
+    if not isinstance(cfg, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"dflash\", "
+                                         f"\"num_speculative_tokens\": 8}}', got {value!r}")
+    k = cfg.get("num_speculative_tokens")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise argparse.ArgumentTypeError(f"num_speculative_tokens must be a positive integer, got {k!r}")
+    if "method" in cfg and not isinstance(cfg["method"], str):
+        raise argparse.ArgumentTypeError(f"method must be a string, got {cfg['method']!r}")
+    return cfg
+
+
+def _positive_bytes(value: str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Server-only flags; the engine flags come from ``add_engine_args``."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("LONGFLASH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                        "(default: $LONGFLASH_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) in the API; the first one is used in responses and metrics "
+                        "(default: the model argument)")
+    p.add_argument("--speculative-config", type=parse_speculative_config, default=None,
+                   help="speculative decoding config as a JSON string (e.g. '{\"method\": \"dflash\", "
+                        "\"num_speculative_tokens\": 8}'), or 'off'")
+    p.add_argument("--max-request-body-bytes", type=_positive_bytes, default=32 << 20,
+                   help="largest accepted request body, bytes or e.g. 32MiB (larger: 413)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs accepted")
+    p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    p.add_argument("--disable-log-requests", action="store_true", help="do not log each finished request")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine (printing its start-up report), then serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from longflash.engine.llm_engine import LLMEngine
+    from longflash.entrypoints.args import engine_config_from_args
+    from longflash.entrypoints.server.api_server import build_app
+    from longflash.entrypoints.server.async_engine import AsyncEngine
+    from longflash.entrypoints.server.metrics import ServerMetrics
+
+    tp, dcp = args.tensor_parallel_size, args.decode_context_parallel_size
+    if tp < 1 or dcp < 1 or tp % dcp != 0:
+        print(f"error: --decode-context-parallel-size ({dcp}) must be >= 1 and divide --tensor-parallel-size "
+              f"({tp})", file=sys.stderr)
+        return 2
+    if tp != 1 or dcp != 1:
+        print(f"error: --tensor-parallel-size {tp} / --decode-context-parallel-size {dcp}: tensor and "
+              "decode-context parallelism are accepted but not wired into the engine yet; use 1 for both",
+              file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    config = engine_config_from_args(args)
+    engine = LLMEngine(config)  # logs the start-up report: load time, KV cache tokens/blocks, concurrency
+    model_arg = getattr(args, "model_tag", None) or args.model
+    names = args.served_model_name or [model_arg or "longflash-default"]
+    spec = args.speculative_config
+    if spec is not None:
+        logger.info("speculative config accepted and stored (not used by the engine yet): %s", json.dumps(spec))
+    metrics = ServerMetrics(names[0], num_speculative_tokens=int((spec or {}).get("num_speculative_tokens") or 0))
+    async_engine = AsyncEngine(engine, metrics, log_requests=not args.disable_log_requests)
+    metrics.update(engine)
+    app = build_app(async_engine, names, config.model, metrics, api_key=args.api_key,
+                    max_body_bytes=args.max_request_body_bytes, max_logprobs=args.max_logprobs,
+                    speculative_config=spec)
+    logger.info("serving %s as %s on http://%s:%d", config.model, ", ".join(names), args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                           access_log=not args.disable_uvicorn_access_log,
+                                           timeout_graceful_shutdown=5))
+    server.run()
+    async_engine.shutdown()
+    return 0

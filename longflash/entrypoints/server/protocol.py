@@ -1,0 +1,137 @@
+"""Request models (pydantic, strict types) and response builders in the OpenAI shapes.
+
+Unknown request fields are ignored (as vLLM does); a wrong type is a 400 naming the field.
+Responses are plain dicts built by the functions below (the OpenAI JSON shapes).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat (OpenAI's plus vLLM's extra sampling fields)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    # A string, a list of token ids, or a batch of one of either.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- errors ---------------------------------------------------------------------------------
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                500: "server_error", 503: "server_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API returns it."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+# ---- responses ------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict], text_offset0: int,
+                        decode) -> dict:
+    """Legacy completions ``logprobs`` object for the given tokens: tokens, token_logprobs,
+    top_logprobs (dicts token -> logprob, the sampled token included), text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_offset0
+    for tid, lp in zip(token_ids, logprobs):
+        sampled = lp.get(tid)
+        tok = sampled.decoded_token if sampled is not None and sampled.decoded_token is not None else decode(tid)
+        tokens.append(tok)
+        token_lps.append(sampled.logprob if sampled is not None else None)
+        tops.append({(v.decoded_token if v.decoded_token is not None else decode(k)): v.logprob
+                     for k, v in lp.items()})
+        offsets.append(off)
+        off += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict], top_n: int, decode) -> dict:
+    """Chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
+    content = []
+    for tid, lp in zip(token_ids, logprobs):
+        def entry(k, v):
+            tok = v.decoded_token if v.decoded_token is not None else decode(k)
+            return {"token": tok, "logprob": v.logprob, "bytes": list(tok.encode("utf-8"))}
+        sampled = lp.get(tid)
+        item = entry(tid, sampled) if sampled is not None else {"token": decode(tid), "logprob": None, "bytes": None}
+        ranked = sorted(((k, v) for k, v in lp.items()), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
+        item["top_logprobs"] = [entry(k, v) for k, v in ranked if v.rank is None or v.rank <= top_n][:top_n]
+        content.append(item)
+    return {"content": content}
+
+
+def now() -> int:
+    return int(time.time())

@@ -235,6 +235,50 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @torch.inference_mode()
+    def score(self, prompt_token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Logits of every position of ``prompt_token_ids`` (teacher forcing), computed through the
+        paged cache in prefill chunks of ``chunk_size`` tokens (default: one chunk), reusing the
+        prefix cache like a request would.
+
+        Returns [T, vocab] fp32. Raises ValueError for an invalid prompt or when the KV pool cannot
+        hold the sequence while other requests run.
+        """
+        from longflash.engine.scheduler import ScheduledSeq, SchedulerOutput
+        self.validate_prompt(prompt_token_ids, SamplingParams(max_tokens=1))
+        seq = Sequence(f"score-{self.new_request_id()}", prompt_token_ids, SamplingParams(max_tokens=1))
+        chunk = chunk_size or len(prompt_token_ids)
+        if not self.block_manager.allocate_for_new(seq, min(chunk, len(prompt_token_ids))):
+            raise ValueError("the KV cache cannot hold this sequence now")
+        cached = seq.num_computed_tokens
+        pieces = []
+        try:
+            if cached:
+                # Positions served from the prefix cache still need logits: recompute them
+                # without writing (their slots are owned by the cache).
+                pieces.append(self._score_cached_prefix(seq, cached))
+            while seq.num_computed_tokens < len(seq.token_ids):
+                n = min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
+                self.block_manager.append_slots(seq, n)
+                logits, _ = self.runner.execute(SchedulerOutput([ScheduledSeq(seq, n)], []), all_logits=True)
+                pieces.append(logits)
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
+        finally:
+            self.block_manager.free(seq)
+        return torch.cat(pieces)
+
+    def _score_cached_prefix(self, seq: Sequence, cached: int) -> torch.Tensor:
+        from longflash.engine.scheduler import ScheduledSeq, SchedulerOutput
+        tmp = Sequence(f"{seq.request_id}-prefix", seq.token_ids[:cached], SamplingParams(max_tokens=1))
+        tmp.block_table = []
+        self.block_manager.append_slots(tmp, cached)
+        try:
+            logits, _ = self.runner.execute(SchedulerOutput([ScheduledSeq(tmp, cached)], []), all_logits=True)
+        finally:
+            self.block_manager.free(tmp)
+        return logits
+
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, update requests. Returns the requests that

@@ -85,10 +85,12 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, sample_rows
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns (logits [N, vocab] fp32 for sampling rows, sample_rows)."""
+    def execute(self, sched: SchedulerOutput, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns (logits [N, vocab] fp32 for sampling rows, sample_rows); with
+        ``all_logits`` the logits of every scheduled token [T, vocab] instead."""
         input_ids, ctx, sample_rows = self.prepare(sched)
         with set_forward_context(ctx):
             hidden = self.model(input_ids)
-            logits = self.model.compute_logits(hidden[ctx.logits_indices])
+            rows = hidden if all_logits else hidden[ctx.logits_indices]
+            logits = self.model.compute_logits(rows)
         return logits, sample_rows

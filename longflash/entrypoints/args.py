@@ -1,0 +1,46 @@
+"""Engine flags shared by ``longflash generate``, ``serve`` and ``bench`` (vLLM's names and aliases)."""
+
+from __future__ import annotations
+
+import argparse
+
+from longflash.config import EngineConfig, parse_bytes
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        p.add_argument("model_tag", nargs="?", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, checkpoint dtype on GPU), float32, bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--max-model-len", type=int, default=None, help="maximum prompt + output tokens per request")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="maximum running requests")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache budget: bytes or e.g. 2GiB (default: 1GiB on CPU, 90%% of free GPU memory)")
+    p.add_argument("--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the EngineConfig; raises ValueError for an invalid combination."""
+    from longflash.default_model_path import default_model_path
+    model = getattr(args, "model_tag", None) or args.model or default_model_path()
+    return EngineConfig(
+        model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed,
+        skip_tokenizer_init=args.skip_tokenizer_init, tokenizer=args.tokenizer,
+        tensor_parallel_size=args.tensor_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size, enforce_eager=args.enforce_eager)

@@ -1,0 +1,98 @@
+"""``longflash`` command line: generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from longflash.entrypoints.args import add_engine_args, engine_config_from_args
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from longflash.engine.llm_engine import LLMEngine
+    from longflash.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if args.chat:
+        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                   tokenize=True)
+        prompt = {"prompt_token_ids": list(ids["input_ids"] if isinstance(ids, dict) else ids)}
+    t0 = time.perf_counter()
+    rid = engine.add_request(None, prompt, params)
+    printed = 0
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+            final = out
+    sys.stdout.write("\n")
+    dt = time.perf_counter() - t0
+    n = len(final.outputs[0].token_ids)
+    logging.getLogger("longflash").info("%d tokens in %.2f s (%.1f tok/s), finish_reason=%s", n, dt, n / dt,
+                                        final.outputs[0].finish_reason)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="longflash", description="Long-context MLA inference engine")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s, model_positional=True)
+    try:
+        from longflash.entrypoints.server.cli_args import add_server_args, run_server
+        add_server_args(s)
+        s.set_defaults(func=run_server)
+    except ImportError:
+        s.set_defaults(func=lambda a: (print("the server is not available in this build", file=sys.stderr), 2)[1])
+
+    try:
+        from longflash.bench import add_bench_parser
+        add_bench_parser(sub)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -111,8 +111,11 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict], text_offset0
         tok = sampled.decoded_token if sampled is not None and sampled.decoded_token is not None else decode(tid)
         tokens.append(tok)
         token_lps.append(sampled.logprob if sampled is not None else None)
-        tops.append({(v.decoded_token if v.decoded_token is not None else decode(k)): v.logprob
-                     for k, v in lp.items()})
+        top: dict[str, float] = {}
+        # Distinct ids can decode to the same string (e.g. partial UTF-8 -> U+FFFD): keep the likeliest.
+        for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob):
+            top.setdefault(v.decoded_token if v.decoded_token is not None else decode(k), v.logprob)
+        tops.append(top)
         offsets.append(off)
         off += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

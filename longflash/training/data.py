@@ -143,6 +143,7 @@ class _PieceCache:
     each piece boundary is a pre-tokenizer boundary; checked in tests)."""
 
     def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer  # NOTE: the strong reference keeps id(tokenizer) from being reused
         self.intro = _encode(tokenizer, PASSKEY_INTRO)
         self.filler = _encode(tokenizer, PASSKEY_FILLER)
         self.question = _encode(tokenizer, PASSKEY_QUESTION)
@@ -169,7 +170,7 @@ _CACHE: dict[int, _PieceCache] = {}
 
 def _pieces(tokenizer: Any) -> _PieceCache:
     c = _CACHE.get(id(tokenizer))
-    if c is None:
+    if c is None or c.tokenizer is not tokenizer:
         c = _CACHE[id(tokenizer)] = _PieceCache(tokenizer)
     return c
 

@@ -119,4 +119,4 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progres
     files = safetensors_files(model_dir)
     model = build_model(config, dtype, device)
     load_weights(model, iterate_tensors(files, progress))
-    return model.eval(), config
+    return model.eval(), model.config  # the text config for nested (multimodal) checkpoints

@@ -8,10 +8,13 @@ import importlib
 _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("longflash.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Qwen3ForCausalLM": ("longflash.models.qwen3", "Qwen3ForCausalLM"),
+    "KimiK3ForCausalLM": ("longflash.models.kimi_k3", "KimiK3ForCausalLM"),
+    "KimiK3ForConditionalGeneration": ("longflash.models.kimi_k3", "KimiK3ForCausalLM"),
 }
 
 # model_type values that imply an architecture when ``architectures`` is absent.
-_MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "kimi_k3": "KimiK3ForCausalLM"}
 
 
 def register_model(architecture: str, module: str, cls: str, model_type: str | None = None) -> None:

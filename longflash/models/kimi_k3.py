@@ -1,0 +1,169 @@
+"""Kimi-K3 text model (MLA layers, Block AttnRes, latent MoE with SiTU) in the engine.
+
+Checkpoint names and config keys: ``shared/specs/kimi_k3_checkpoint.md``; order of operations of
+Block AttnRes: ``shared/specs/attnres_kimi.md``. Accepts ``KimiK3ForConditionalGeneration`` (nested
+``text_config``, ``language_model.`` prefix; vision towers skipped) and text-only ``KimiK3ForCausalLM``.
+KDA (linear attention) layers are not supported yet and are rejected with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from longflash.attention.mla import MLAAttention
+from longflash.layers.activation import get_act_and_mul
+from longflash.layers.attn_res import attn_res_mix
+from longflash.layers.mlp import GatedMLP
+from longflash.layers.moe import MoE, TopkRouter
+from longflash.layers.norm import RMSNorm
+from longflash.layers.rotary import RotaryEmbedding, rope_parameters
+from longflash.models.base import CausalLM, KVCacheSpec
+
+logger = logging.getLogger("longflash")
+
+_OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "audio_tower.")
+
+
+def text_config(config: dict) -> dict:
+    """The flat text config (unwraps ``text_config``; copies a top-level quantization_config up)."""
+    if "text_config" in config:
+        cfg = dict(config["text_config"])
+        for key in ("tie_word_embeddings",):
+            if key in config and key not in cfg:
+                cfg[key] = config[key]
+        return cfg
+    return dict(config)
+
+
+def check_supported(cfg: dict) -> None:
+    """Raises ValueError for config values this engine does not implement."""
+    lac = cfg.get("linear_attn_config") or {}
+    if lac.get("kda_layers"):
+        raise ValueError("KDA layers are not supported yet (linear_attn_config.kda_layers is non-empty)")
+    if cfg.get("attn_res_block_size") is None:
+        raise ValueError("unsupported config value attn_res_block_size=null (plain residual Kimi models)")
+    if cfg.get("quantization_config"):
+        raise ValueError("unsupported config value quantization_config (MXFP4 experts are not supported yet)")
+
+
+class KimiK3DecoderLayer(nn.Module):
+    """One decoder layer: gated MLA, dense (``mlp``) or latent MoE (``block_sparse_moe``) FFN, and
+    its AttnRes weights ``self_attention_res_{norm,proj}`` and ``mlp_res_{norm,proj}``."""
+
+    def __init__(self, cfg: dict, layer_idx: int, rotary: RotaryEmbedding | None):
+        super().__init__()
+        H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
+        self.self_attn = MLAAttention(
+            H, cfg["num_attention_heads"], cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
+            cfg["qk_rope_head_dim"], cfg["v_head_dim"], eps, rotary,
+            (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5,
+            output_gate=cfg.get("mla_use_output_gate", True))
+        act = get_act_and_mul(cfg)
+        n_exp = cfg.get("num_experts") or 0
+        self.is_moe = bool(n_exp) and layer_idx >= cfg.get("first_k_dense_replace", 1) \
+            and layer_idx % cfg.get("moe_layer_freq", 1) == 0
+        if self.is_moe:
+            grouped = cfg.get("use_grouped_topk", True)
+            router = TopkRouter(H, n_exp, cfg["num_experts_per_token"],
+                                cfg.get("num_expert_group", 1) if grouped else 1,
+                                cfg.get("topk_group", 1) if grouped else 1,
+                                cfg.get("moe_renormalize", True), cfg.get("routed_scaling_factor", 1.0),
+                                cfg.get("moe_router_activation_func", "sigmoid"),
+                                use_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc")
+            self.block_sparse_moe = MoE(H, n_exp, cfg["moe_intermediate_size"], router, act,
+                                        cfg.get("num_shared_experts", 0) or 0, cfg.get("routed_expert_hidden_size"),
+                                        cfg.get("latent_moe_use_norm", True), eps)
+        else:
+            self.mlp = GatedMLP(H, cfg["intermediate_size"], act)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.self_attention_res_norm = RMSNorm(H, eps)
+        self.self_attention_res_proj = nn.Linear(H, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(H, eps)
+        self.mlp_res_proj = nn.Linear(H, 1, bias=False)
+        self.eps = eps
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+
+
+class KimiK3Model(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
+        rotary = None
+        if not cfg.get("mla_use_nope", True):
+            rotary = RotaryEmbedding(cfg["qk_rope_head_dim"], rope_parameters(cfg),
+                                     cfg.get("max_position_embeddings", 4096),
+                                     interleave=cfg.get("rope_interleave", False))
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], H)
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(cfg, i, rotary) for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(H, eps)
+        self.output_attn_res_norm = RMSNorm(H, eps)
+        self.output_attn_res_proj = nn.Linear(H, 1, bias=False)
+        self.block_size = cfg["attn_res_block_size"]
+        self.num_bank_slots = math.ceil(cfg["num_hidden_layers"] / self.block_size)
+        self.eps = eps
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden [T, H]. Block AttnRes order of operations of
+        attnres_kimi.md; the bank and prefix live only for this forward."""
+        prefix = self.embed_tokens(input_ids)
+        bank: list[torch.Tensor] = []
+        bs = self.block_size
+        for l, layer in enumerate(self.layers):
+            n = -(-l // bs)
+            wr = l % bs == 0
+            h = attn_res_mix(bank[:n] + [prefix], layer.self_attention_res_norm.weight,
+                             layer.self_attention_res_proj.weight, self.eps)
+            if wr:
+                bank.append(prefix)
+            a = layer.self_attn(layer.input_layernorm(h))
+            prefix = a if wr else prefix + a
+            h = attn_res_mix(bank[:n + int(wr)] + [prefix], layer.mlp_res_norm.weight,
+                             layer.mlp_res_proj.weight, self.eps)
+            prefix = prefix + layer.ffn(layer.post_attention_layernorm(h))
+        y = attn_res_mix(bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                         self.eps)
+        return self.norm(y)
+
+
+class KimiK3ForCausalLM(CausalLM):
+    """forward(input_ids [T] int64) -> final-normed hidden [T, H] (reads the forward context)."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        cfg = text_config(config)
+        check_supported(cfg)
+        self.config = cfg
+        self.nested = "text_config" in config
+        self.model = KimiK3Model(cfg)
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self._warned_towers = False
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(c["num_hidden_layers"], (c["kv_lora_rank"] + c["qk_rope_head_dim"],), 1)
+
+    def remap_checkpoint_name(self, name: str) -> str | None:
+        if name.startswith("language_model."):
+            name = name[len("language_model."):]
+            if name.startswith("layers."):  # vLLM's alias of language_model.model.layers.
+                name = "model." + name
+        elif any(name.startswith(t) for t in _OTHER_TOWERS):
+            if not self._warned_towers:
+                logger.warning("skipping non-text towers of the checkpoint (vision/projector tensors)")
+                self._warned_towers = True
+            return None
+        if ".block_sparse_moe.experts." in name:
+            name = name.replace(".w1.", ".gate_proj.").replace(".w3.", ".up_proj.").replace(".w2.", ".down_proj.")
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        return name

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_fixtures import ServerProcess, make_tiny_model
+from server_fixtures import ServerProcess, make_tiny_model
 
 API_KEY = "test-key"
 MODEL = "tiny"

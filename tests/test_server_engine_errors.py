@@ -12,7 +12,7 @@ from longflash.engine.llm_engine import LLMEngine
 from longflash.entrypoints.server.api_server import build_app
 from longflash.entrypoints.server.async_engine import AsyncEngine
 from longflash.entrypoints.server.metrics import ServerMetrics
-from tests.server_fixtures import make_tiny_model
+from server_fixtures import make_tiny_model
 
 POISON = [7, 7, 7, 7, 7]
 

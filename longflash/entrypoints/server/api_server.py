@@ -55,6 +55,10 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _param_of(message: str) -> str | None:
     """The request field a ValueError from SamplingParams/the engine is about."""
     first = message.split(" ", 1)[0]
@@ -148,8 +152,8 @@ class _Server:
             raise ApiError(400, f"the request body is not valid UTF-8 (invalid byte at offset {e.start})",
                            code="invalid_utf8") from None
         try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
+            obj = json.loads(text, parse_constant=_reject_constant)
+        except ValueError as e:  # JSONDecodeError, or NaN/Infinity (not JSON)
             raise ApiError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
@@ -186,6 +190,8 @@ class _Server:
         if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
             raise ApiError(400, f"logprobs must be in [0, {self.max_logprobs}], got {logprobs}", param="logprobs",
                            code="invalid_value")
+        if req.seed is not None and not -2**63 <= req.seed < 2**64:
+            raise ApiError(400, f"seed must be a 64-bit integer, got {req.seed}", param="seed", code="invalid_value")
         d = self.defaults
 
         def pick(name: str, default):

@@ -171,6 +171,18 @@ class LLMEngine:
             raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template.
+
+        Raises ValueError without a tokenizer or without a chat template.
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this engine was built with skip_tokenizer_init=True")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat_template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def new_request_id(self) -> str:
         self._counter += 1
         return str(self._counter)

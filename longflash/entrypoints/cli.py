@@ -24,9 +24,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
     if args.chat:
-        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                   tokenize=True)
-        prompt = {"prompt_token_ids": list(ids["input_ids"] if isinstance(ids, dict) else ids)}
+        prompt = {"prompt_token_ids": engine.apply_chat_template([{"role": "user", "content": prompt}])}
     t0 = time.perf_counter()
     rid = engine.add_request(None, prompt, params)
     printed = 0

@@ -69,11 +69,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in convs:
-            ids = self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                            tokenize=True)
-            if isinstance(ids, dict):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompts.append({"prompt_token_ids": self.engine.apply_chat_template(conv, add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

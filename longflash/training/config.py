@@ -31,7 +31,6 @@ def default_model_config(vocab_size: int = 8192, bos_token_id: int = 0, eos_toke
         "mla_use_output_gate": True,
         "rope_theta": 10000.0,
         "rope_interleave": False,
-        "rope_scaling": None,
         "first_k_dense_replace": 1,
         "moe_layer_freq": 1,
         "num_experts": 8,

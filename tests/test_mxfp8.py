@@ -1,0 +1,187 @@
+"""MXFP8 reference quantizer (RCEIL, conventions) and the Triton kernel under TRITON_INTERPRET=1."""
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from fractions import Fraction
+
+import pytest
+import torch
+
+from longflash.ops.mxfp8 import (dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_into, rceil_scale_bytes,
+                                 scale_bytes_to_float)
+
+
+def _all_positive_finite_bf16() -> torch.Tensor:
+    bits = torch.arange(1, 0x7F80, dtype=torch.int32)  # 0x0001 (min subnormal) .. 0x7F7F (max finite)
+    return (bits << 16).view(torch.float32).to(torch.bfloat16)
+
+
+def _rceil_byte_exact(v: float) -> int:
+    """Independent RCEIL: smallest integer E with 448 * 2^E >= v (exact rationals), byte clamp(E + 127, 0, 254)."""
+    r = Fraction(v) / 448
+    e = math.floor(math.log2(v / 448)) - 1 if v / 448 > 0 else -200
+    while Fraction(2) ** e < r:
+        e += 1
+    while e > -300 and Fraction(2) ** (e - 1) >= r:
+        e -= 1
+    return min(254, max(0, e + 127))
+
+
+def test_rceil_scale_byte_for_every_positive_finite_bf16_amax():
+    vals = _all_positive_finite_bf16()
+    expected = torch.tensor([_rceil_byte_exact(v) for v in vals.float().tolist()], dtype=torch.uint8)
+    # Blocks whose amax is the value (first element), the rest zero or smaller in magnitude.
+    x = torch.zeros(vals.numel(), 32, dtype=torch.bfloat16)
+    x[:, 0] = vals
+    x[:, 1] = -vals * 0.5
+    data, scales = quantize_mxfp8(x)
+    assert torch.equal(scales[:, 0], expected)
+    assert torch.equal(rceil_scale_bytes(vals.float()), expected)
+    # RCEIL never saturates: the amax element is a finite E4M3 value <= 448 (never the NaN code) and
+    # within half an ulp. NOTE: amax > 1.9375 * 2^127 rounds up to 2^128, which MX can hold but fp32
+    # cannot, so those few dequantize to inf.
+    assert ((data[:, 0] & 0x7F) != 0x7F).all()
+    deq = dequantize_mxfp8(data, scales)
+    ok = vals.float() < 1.9375 * 2.0 ** 127
+    assert torch.isfinite(deq[ok]).all() and ok.sum() == vals.numel() - 8
+    rel = (deq[ok, 0] - vals.float()[ok]).abs() / vals.float()[ok]
+    assert rel.max().item() <= 2.0 ** -4
+    assert expected.min().item() == 0 and expected.max().item() == 247
+
+
+def _block(values, fill=0.0):
+    x = torch.full((1, 32), fill, dtype=torch.float32)
+    x[0, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("values, scale_byte, data_bytes", [
+    ([0.0] * 32, 0, [0x00] * 32),                                    # all zero
+    ([1.0, float("nan"), 2.0], 0xFF, [0x7F] * 32),                   # a NaN: NaN block
+    ([1.0, float("inf")], 0xFF, [0x7F] * 32),                         # +Inf
+    ([float("-inf"), 3.0], 0xFF, [0x7F] * 32),                        # -Inf
+    ([float("nan"), 1e30], 0xFF, [0x7F] * 32),                        # NaN behind a larger finite value
+    ([2.0 ** -127, 2.0 ** -133, -(2.0 ** -130)], 0, [0x38, 0x08, 0xA0] + [0] * 29),  # bf16 subnormals
+    ([448.0, 1.0, -448.0], 127, [0x7E, 0x38, 0xFE] + [0] * 29),       # amax = 448 * 2^0
+    ([56.0, 7.0], 124, [0x7E, 0x66] + [0] * 30),                      # amax = 448 * 2^-3
+    ([448.0 * 2 ** 10], 137, [0x7E] + [0] * 31),                      # amax = 448 * 2^10
+    ([448.0 * 2 ** -130], 0, [0x66] + [0] * 31),                      # 448 * 2^-130 -> byte clamps to 0
+    ([1.75], 119, [0x7E] + [0] * 31),                                 # mantissa exactly 1.75
+    ([1.7578125], 120, [0x76] + [0] * 31),                            # just above 1.75: 225 -> 224
+    ([1.7421875], 119, [0x7E] + [0] * 31),                            # just below 1.75: 446 -> 448
+    ([-1.7578125, 0.0078125], 120, [0xF6, 0x38] + [0] * 30),          # sign, and an exact small value
+])
+def test_planted_blocks_give_documented_bytes(values, scale_byte, data_bytes):
+    x = _block(values)
+    data, scales = quantize_mxfp8(x)
+    assert scales.tolist() == [[scale_byte]]
+    assert data.tolist() == [data_bytes]
+
+
+def test_negative_zero_keeps_sign_and_scale_decoding():
+    data, scales = quantize_mxfp8(_block([-0.0, 0.0]))
+    assert scales.tolist() == [[0]] and data[0, :2].tolist() == [0x80, 0x00]
+    f = scale_bytes_to_float(torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8))
+    assert f[:4].tolist() == [2.0 ** -127, 2.0 ** -126, 1.0, 2.0 ** 127] and math.isnan(f[4].item())
+
+
+def test_writes_only_its_columns_and_matches_allocating_form():
+    torch.manual_seed(0)
+    x = torch.randn(9, 96, dtype=torch.bfloat16) * 3
+    d0, s0 = quantize_mxfp8(x)
+    data = torch.full((9, 256), 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn)  # fp8 view accepted
+    scales = torch.full((9, 8), 0xCD, dtype=torch.uint8)
+    quantize_mxfp8_into(x, data, scales, col0=64)
+    d = data.view(torch.uint8)
+    assert torch.equal(d[:, 64:160], d0) and torch.equal(scales[:, 2:5], s0)
+    assert (d[:, :64] == 0xAB).all() and (d[:, 160:] == 0xAB).all()
+    assert (scales[:, :2] == 0xCD).all() and (scales[:, 5:] == 0xCD).all()
+    # Dequantized values are within half an E4M3 ulp of the input.
+    deq = dequantize_mxfp8(d0, s0)
+    step = scale_bytes_to_float(s0).repeat_interleave(32, dim=1)
+    assert ((deq - x.float()).abs() <= x.float().abs() * 2.0 ** -4 + 2.0 ** -10 * step).all()
+
+
+def test_chunked_reference_is_byte_identical(monkeypatch):
+    import longflash.ops.mxfp8 as mx
+    torch.manual_seed(1)
+    x = torch.randn(37, 320) * torch.logspace(-30, 30, 37)[:, None]
+    d0, s0 = quantize_mxfp8(x)
+    monkeypatch.setattr(mx, "_REF_CHUNK_ELEMS", 700)  # 2 rows per chunk
+    d1, s1 = quantize_mxfp8(x)
+    assert torch.equal(d0, d1) and torch.equal(s0, s1)
+
+
+@pytest.mark.parametrize("bad", ["width", "col0", "overflow", "scales", "dtype"])
+def test_bad_arguments_raise(bad):
+    x = torch.randn(4, 64)
+    data = torch.zeros(4, 128, dtype=torch.uint8)
+    scales = torch.zeros(4, 4, dtype=torch.uint8)
+    with pytest.raises((ValueError, TypeError)):
+        if bad == "width":
+            quantize_mxfp8_into(torch.randn(4, 48), data, scales, 0)
+        elif bad == "col0":
+            quantize_mxfp8_into(x, data, scales, 16)
+        elif bad == "overflow":
+            quantize_mxfp8_into(x, data, scales, 96)
+        elif bad == "scales":
+            quantize_mxfp8_into(x, data, torch.zeros(4, 3, dtype=torch.uint8), 0)
+        else:
+            quantize_mxfp8_into(x, data.to(torch.int16), scales, 0)
+
+
+_INTERPRET_SCRIPT = textwrap.dedent("""
+    import torch
+    from longflash.ops.mxfp8 import quantize_mxfp8_into
+    from longflash.ops.mxfp8_triton import quantize_mxfp8_into_triton
+
+    def check(x, k_total, col0, **kw):
+        m = x.shape[0]
+        ref_d = torch.full((m, k_total), 0x5A, dtype=torch.uint8)
+        ref_s = torch.full((m, k_total // 32), 0x5A, dtype=torch.uint8)
+        tri_d, tri_s = ref_d.clone(), ref_s.clone()
+        quantize_mxfp8_into(x, ref_d, ref_s, col0)
+        quantize_mxfp8_into_triton(x, tri_d, tri_s, col0, **kw)
+        assert torch.equal(ref_d, tri_d), (x.shape, col0, kw, (ref_d != tri_d).nonzero()[:5])
+        assert torch.equal(ref_s, tri_s), (x.shape, col0, kw)
+
+    torch.manual_seed(0)
+    # every positive finite bf16 as a block amax (scale bytes + the rounding of every magnitude)
+    bits = torch.arange(1, 0x7F80, dtype=torch.int32)
+    vals = (bits << 16).view(torch.float32).to(torch.bfloat16)
+    x = torch.zeros(vals.numel(), 32, dtype=torch.bfloat16)
+    x[:, 0] = vals
+    x[:, 1:] = (torch.randn(vals.numel(), 31) * vals.float()[:, None]).to(torch.bfloat16)
+    check(x, 32, 0, block_m=256, groups=1)
+    # random rows over a wide dynamic range, several dtypes, shapes (one token, M not a multiple of
+    # the tile, groups not a multiple of GROUPS), column offsets and tiles
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for m, k, k_total, col0, kw in [(1, 32, 64, 32, {}), (7, 96, 160, 64, {"block_m": 4, "groups": 2}),
+                                        (33, 320, 320, 0, {}), (5, 7168, 2 * 7168, 7168, {"groups": 64})]:
+            lo, hi = (-6, 4) if dtype == torch.float16 else (-40, 36)
+            x = (torch.randn(m, k) * torch.logspace(lo, hi, m)[:, None]).to(dtype)
+            check(x, k_total, col0, **kw)
+    # planted blocks: zero, NaN, +-Inf, subnormals, exact 448*2^k, 1.75 neighbours, -0.0
+    x = torch.zeros(3, 11 * 32)
+    x[1, 32 + 3] = float("nan"); x[1, 64] = float("inf"); x[2, 96 + 7] = float("-inf")
+    x[0, 128:131] = torch.tensor([2.0 ** -127, 2.0 ** -133, -(2.0 ** -130)])
+    x[1, 160] = 448.0 * 2 ** 10; x[2, 192] = 1.7578125; x[0, 224] = 1.7421875; x[1, 256] = 1.75
+    x[2, 288] = -0.0; x[0, 320] = float("nan"); x[0, 321] = 1e30
+    check(x.to(torch.bfloat16), 11 * 32, 0)
+    check(x, 11 * 32, 0)
+    # a strided (non-contiguous rows) input: a column slice of a wider tensor
+    w = torch.randn(6, 256, dtype=torch.bfloat16)
+    check(w[:, 64:192], 128, 0)
+    print("TRITON_INTERPRET_OK")
+""")
+
+
+def test_triton_kernel_matches_reference_under_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    script = tmp_path / "mxfp8_interpret.py"
+    script.write_text(_INTERPRET_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]

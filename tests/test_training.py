@@ -187,3 +187,36 @@ def test_shipped_default_model_retrieves_passkey():
     prompt, key = make_passkey_prompt(tok, 512, 1)
     new = model.generate_greedy(tok.encode(prompt, add_special_tokens=False), 8, eos_token_id=0)
     assert passkey_answer_matches(tok.decode(new, skip_special_tokens=True), key)
+
+
+def test_mla_matches_hf_deepseek_v3_attention():
+    """MLA (gate off) with half-split RoPE equals HF transformers' DeepseekV3Attention with
+    rope_interleave=False on the same weights (same tensor names, row layouts and softmax scale)."""
+    M = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    from transformers import DeepseekV3Config
+
+    from longflash.training.model import MLAAttention, rope_cos_sin
+
+    cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                           kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                           rope_interleave=False, rms_norm_eps=1e-5, vocab_size=100, num_hidden_layers=1,
+                           max_position_embeddings=256)
+    cfg._attn_implementation = "eager"
+    ref = M.DeepseekV3Attention(cfg, 0).eval()
+    mine = MLAAttention(dict(hidden_size=64, num_attention_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=12, q_lora_rank=32, kv_lora_rank=24, rms_norm_eps=1e-5, mla_use_nope=False,
+                             rope_theta=10000.0, mla_use_output_gate=False)).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.2)
+    mine.load_state_dict(ref.state_dict(), strict=True)
+    T = 10
+    x = torch.randn(2, T, 64)
+    cos, sin = M.DeepseekV3RotaryEmbedding(cfg)(x, torch.arange(T)[None].expand(2, -1))
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        y_ref = ref(x, (cos, sin), attention_mask=mask)[0]
+        c2, s2 = rope_cos_sin(torch.arange(T), 8, 10000.0)
+        y = mine(x, c2, s2)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)

@@ -160,6 +160,8 @@ class LLMEngine:
     def log_startup(self) -> None:
         r = self.startup_report()
         logger.info("model loaded in %.2f s (dtype %s, device %s)", r["model_load_time_s"], r["dtype"], self.device)
+        from longflash.models.weight_report import format_weight_report, weight_memory_report
+        logger.info("%s", format_weight_report(weight_memory_report(self.model)))
         logger.info("KV cache: %d tokens in %d blocks of %d (%s, %d bytes/token, %.1f MiB)", r["kv_cache_tokens"],
                     r["kv_cache_blocks"], self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
                     r["kv_cache_bytes"] / 2**20)

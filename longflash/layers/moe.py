@@ -83,15 +83,19 @@ class MoE(nn.Module):
     (``routed_expert_down_proj`` → experts → ``routed_expert_norm`` → ``routed_expert_up_proj``).
 
     The router always sees the un-projected x. x [T, H] -> [T, H].
+    ``experts``, when given, replaces the bf16 ``nn.ModuleList`` of ``GatedMLP`` routed experts with a module
+    called as ``experts(h, topk_weights, topk_ids) -> [T, latent]`` (e.g. ``MXFP4Experts``, packed weights).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, moe_intermediate_size: int, router: TopkRouter,
                  act_and_mul: Callable, num_shared_experts: int = 0, latent_size: int | None = None,
-                 latent_norm: bool = False, rms_norm_eps: float = 1e-6):
+                 latent_norm: bool = False, rms_norm_eps: float = 1e-6, experts: nn.Module | None = None):
         super().__init__()
         self.gate = router
         expert_width = latent_size or hidden_size
-        self.experts = nn.ModuleList(GatedMLP(expert_width, moe_intermediate_size, act_and_mul) for _ in range(num_experts))
+        self.grouped_experts = experts is not None
+        self.experts = experts if experts is not None else nn.ModuleList(
+            GatedMLP(expert_width, moe_intermediate_size, act_and_mul) for _ in range(num_experts))
         self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts, act_and_mul)
                                if num_shared_experts else None)
         self.latent_size = latent_size
@@ -103,7 +107,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         h = self.routed_expert_down_proj(x) if self.latent_size else x
-        y = run_experts(h, self.experts, topk_weights, topk_ids)
+        if self.grouped_experts:
+            y = self.experts(h, topk_weights, topk_ids)
+        else:
+            y = run_experts(h, self.experts, topk_weights, topk_ids)
         if self.latent_size:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)

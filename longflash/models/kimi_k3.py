@@ -3,7 +3,8 @@
 Checkpoint names and config keys: ``shared/specs/kimi_k3_checkpoint.md``; order of operations of
 Block AttnRes: ``shared/specs/attnres_kimi.md``. Accepts ``KimiK3ForConditionalGeneration`` (nested
 ``text_config``, ``language_model.`` prefix; vision towers skipped) and text-only ``KimiK3ForCausalLM``.
-KDA (linear attention) layers are not supported yet and are rejected with a clear error.
+KDA (linear attention) layers are not supported yet and are rejected with a clear error. Routed experts
+may be MXFP4-packed (``quantization_config`` compressed-tensors ``mxfp4-pack-quantized``; ``layers/mxfp4.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from longflash.layers.activation import get_act_and_mul
 from longflash.layers.attn_res import attn_res_mix
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.moe import MoE, TopkRouter
+from longflash.layers.mxfp4 import MXFP4Experts, check_mxfp4_quant_config, routed_experts_packed
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters
 from longflash.models.base import CausalLM, KVCacheSpec
@@ -32,7 +34,7 @@ def text_config(config: dict) -> dict:
     """The flat text config (unwraps ``text_config``; copies a top-level quantization_config up)."""
     if "text_config" in config:
         cfg = dict(config["text_config"])
-        for key in ("tie_word_embeddings",):
+        for key in ("tie_word_embeddings", "quantization_config"):
             if key in config and key not in cfg:
                 cfg[key] = config[key]
         return cfg
@@ -47,7 +49,7 @@ def check_supported(cfg: dict) -> None:
     if cfg.get("attn_res_block_size") is None:
         raise ValueError("unsupported config value attn_res_block_size=null (plain residual Kimi models)")
     if cfg.get("quantization_config"):
-        raise ValueError("unsupported config value quantization_config (MXFP4 experts are not supported yet)")
+        check_mxfp4_quant_config(cfg["quantization_config"])
 
 
 class KimiK3DecoderLayer(nn.Module):
@@ -74,9 +76,16 @@ class KimiK3DecoderLayer(nn.Module):
                                 cfg.get("moe_renormalize", True), cfg.get("routed_scaling_factor", 1.0),
                                 cfg.get("moe_router_activation_func", "sigmoid"),
                                 use_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc")
+            experts = None
+            if routed_experts_packed(cfg.get("quantization_config"), layer_idx):
+                act_name = cfg.get("hidden_act", "silu")
+                experts = MXFP4Experts(n_exp, cfg.get("routed_expert_hidden_size") or H, cfg["moe_intermediate_size"],
+                                       act, "situ" if act_name == "situ" else "silu",
+                                       (cfg.get("activation_situ_beta", 4.0), cfg.get("activation_situ_linear_beta", 25.0))
+                                       if act_name == "situ" else ())
             self.block_sparse_moe = MoE(H, n_exp, cfg["moe_intermediate_size"], router, act,
                                         cfg.get("num_shared_experts", 0) or 0, cfg.get("routed_expert_hidden_size"),
-                                        cfg.get("latent_moe_use_norm", True), eps)
+                                        cfg.get("latent_moe_use_norm", True), eps, experts=experts)
         else:
             self.mlp = GatedMLP(H, cfg["intermediate_size"], act)
         self.input_layernorm = RMSNorm(H, eps)

@@ -81,13 +81,31 @@ def build_model(config: dict, dtype: torch.dtype, device: torch.device) -> Causa
     return model.to_empty(device=device)
 
 
+def _load_into_sink(sinks: dict, name: str, ckpt_name: str, tensor: torch.Tensor) -> bool:
+    """Hand ``tensor`` to the innermost sink module whose name prefixes ``name``; False if none does."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = sinks.get(".".join(parts[:i]))
+        if module is not None:
+            try:
+                module.load_checkpoint_tensor(".".join(parts[i:]), tensor)
+            except ValueError as e:
+                raise ModelLoadError(f"tensor {ckpt_name!r}: {e}") from e
+            return True
+    return False
+
+
 def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into the model's parameters.
 
     Raises ModelLoadError naming a tensor whose shape differs from the model's, or a parameter the
     checkpoint does not provide. Unknown tensors are skipped with one warning line.
+    Modules with a ``load_checkpoint_tensor(relative_name, tensor)`` hook (stacked, packed weights such as
+    ``MXFP4Experts``) receive the tensors under their name and report theirs missing through
+    ``missing_checkpoint_tensors()``.
     """
     params = dict(model.named_parameters())
+    sinks = {n: m for n, m in model.named_modules() if hasattr(m, "load_checkpoint_tensor")}
     loaded: set[str] = set()
     unexpected: list[str] = []
     for ckpt_name, tensor in tensors:
@@ -96,6 +114,8 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
             continue
         param = params.get(name)
         if param is None:
+            if sinks and _load_into_sink(sinks, name, ckpt_name, tensor):
+                continue
             unexpected.append(ckpt_name)
             continue
         if tuple(tensor.shape) != tuple(param.shape):
@@ -106,6 +126,7 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
         loaded.add(name)
     loaded = model.tie_weights_if_needed(loaded)
     missing = [n for n in params if n not in loaded]
+    missing += [f"{prefix}.{rel}" for prefix, m in sinks.items() for rel in m.missing_checkpoint_tensors()]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"checkpoint is missing tensor {missing[0]!r}{more}")

@@ -13,6 +13,8 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# Rows of one request that the reference attention dequantizes at a time (bounded working set).
+DECODE_PIECE_ROWS = 4096
 
 
 def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, k_scale: float | torch.Tensor | None) -> torch.Tensor:
@@ -20,7 +22,9 @@ def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, k_scale: float 
     if cache_dtype == FP8_DTYPE:
         xf = x.float()
         if k_scale is not None:
-            xf = xf / k_scale
+            # NOTE: divide by a 0-dim fp32 tensor, not a Python float: CUDA turns division by a CPU
+            # scalar into multiplication by its reciprocal, which rounds differently from x / s.
+            xf = xf / torch.as_tensor(k_scale, dtype=torch.float32, device=x.device)
         return xf.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x.to(cache_dtype)
 
@@ -30,9 +34,14 @@ def dequantize_from_cache(x: torch.Tensor, out_dtype: torch.dtype, k_scale: floa
     if x.dtype == FP8_DTYPE:
         xf = x.float()
         if k_scale is not None:
-            xf = xf * k_scale
+            xf = xf * torch.as_tensor(k_scale, dtype=torch.float32, device=x.device)
         return xf.to(out_dtype)
     return x.to(out_dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors viewed as uint8 (index_copy_/index_select lack fp8 kernels on the CPU)."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -52,7 +61,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     if not bool(valid.all()):
         kv_c, k_pe, slot_mapping = kv_c[valid], k_pe[valid], slot_mapping[valid]
     rows = quantize_to_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache.dtype, k_scale)
-    kv_cache.view(num_blocks * block_size, width).index_copy_(0, slot_mapping, rows)
+    _bytes(kv_cache).view(num_blocks * block_size, width).index_copy_(0, slot_mapping, _bytes(rows))
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -63,8 +72,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    key_cache.view(nb * bs, *key_cache.shape[2:]).index_copy_(0, slot_mapping, quantize_to_cache(key, key_cache.dtype, k_scale))
-    value_cache.view(nb * bs, *value_cache.shape[2:]).index_copy_(0, slot_mapping, quantize_to_cache(value, value_cache.dtype, v_scale))
+    _bytes(key_cache).view(nb * bs, *key_cache.shape[2:]).index_copy_(
+        0, slot_mapping, _bytes(quantize_to_cache(key, key_cache.dtype, k_scale)))
+    _bytes(value_cache).view(nb * bs, *value_cache.shape[2:]).index_copy_(
+        0, slot_mapping, _bytes(quantize_to_cache(value, value_cache.dtype, v_scale)))
 
 
 def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
@@ -107,8 +118,10 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
     blocks = block_table.long()[token_to_seq, logical]
     if int(blocks.min()) < 0:
         raise ValueError("gather position maps to an unallocated block (-1)")
-    flat = cache.reshape(cache.shape[0] * block_size, *cache.shape[2:])
+    flat = _bytes(cache).reshape(cache.shape[0] * block_size, *cache.shape[2:])
     rows = flat.index_select(0, blocks * block_size + pos % block_size)
+    if cache.dtype == FP8_DTYPE:
+        rows = rows.view(FP8_DTYPE)
     return dequantize_from_cache(rows, out_dtype, k_scale)
 
 
@@ -136,13 +149,16 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                          query_start_loc: list[int], seq_lens: list[int], scale: float, kv_lora_rank: int,
-                         k_scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         k_scale: float | torch.Tensor | None = None,
+                         max_rows_per_piece: int = DECODE_PIECE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention over a paged latent cache, multi-token causal queries allowed.
 
     Args:
         q: [T, H, kv_lora_rank + rope] absorbed queries (``q_nope · W_UK`` ++ rotated ``q_pe``).
         kv_cache: [num_blocks, block_size, kv_lora_rank + rope], model dtype or fp8 (dequantized
-            on read with ``k_scale``; no dequantized copy of the whole cache is made).
+            on read with ``k_scale``; the reference walks each request's blocks in pieces of at most
+            ``max_rows_per_piece`` rows merged by LSE, so no dequantized copy of a whole request,
+            let alone the whole cache, is ever made).
         block_table: [B, max_blocks] int32.
         query_start_loc: B + 1 offsets into q; request b's queries are the last
             ``q_len_b`` positions of its ``seq_lens[b]`` cached tokens (causal among themselves).
@@ -158,19 +174,21 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         s, e, L = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
         if e == s:
             continue
-        rows = gather_and_maybe_dequant_cache(
-            kv_cache, block_table[b:b + 1], torch.tensor([0, L], dtype=torch.int32, device=q.device),
-            None, q.dtype, k_scale)
-        kv = rows[:, None, :]
-        o, l = attention_with_lse(q[s:e], kv, kv[..., :kv_lora_rank], scale, causal_offset=L - (e - s))
-        out[s:e], lse[s:e] = o, l
+        o_b, l_b = None, None
+        for start, kv in _paged_pieces(kv_cache, block_table[b], L, q.dtype, k_scale, max_rows_per_piece):
+            kv = kv[:, None, :]
+            o, l = attention_with_lse(q[s:e], kv, kv[..., :kv_lora_rank], scale,
+                                      causal_offset=L - (e - s) - start)
+            o_b, l_b = (o, l) if o_b is None else merge_attn_states(o_b, l_b, o, l)
+        out[s:e], lse[s:e] = o_b, l_b
     return out, lse
 
 
 def paged_gqa_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                         query_start_loc: list[int], seq_lens: list[int], scale: float,
                         k_scale: float | torch.Tensor | None = None,
-                        v_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: float | torch.Tensor | None = None,
+                        max_rows_per_piece: int = DECODE_PIECE_ROWS) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its cached keys/values.
 
     Args:
@@ -181,16 +199,79 @@ def paged_gqa_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     T, H, D = q.shape
     kvh = key_cache.shape[2]
+    rep = H // kvh
     out = q.new_zeros(T, H, value_cache.shape[-1])
     for b in range(len(seq_lens)):
         s, e, L = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
         if e == s:
             continue
-        cu = torch.tensor([0, L], dtype=torch.int32, device=q.device)
-        k = gather_and_maybe_dequant_cache(key_cache, block_table[b:b + 1], cu, None, q.dtype, k_scale)
-        v = gather_and_maybe_dequant_cache(value_cache, block_table[b:b + 1], cu, None, q.dtype, v_scale)
-        rep = H // kvh
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        out[s:e], _ = attention_with_lse(q[s:e], k, v, scale, causal_offset=L - (e - s))
+        o_b, l_b = None, None
+        pieces = zip(_paged_pieces(key_cache, block_table[b], L, q.dtype, k_scale, max_rows_per_piece),
+                     _paged_pieces(value_cache, block_table[b], L, q.dtype, v_scale, max_rows_per_piece))
+        for (start, k), (_, v) in pieces:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+            o, l = attention_with_lse(q[s:e], k, v, scale, causal_offset=L - (e - s) - start)
+            o_b, l_b = (o, l) if o_b is None else merge_attn_states(o_b, l_b, o, l)
+        out[s:e] = o_b
     return out
+
+
+def _paged_pieces(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, out_dtype: torch.dtype,
+                  k_scale: float | torch.Tensor | None, max_rows: int):
+    """Yield (first position, dequantized rows [n, *row_shape]) of one request's cached positions
+    [0, seq_len) in pieces of at most ``max_rows`` rows (rounded down to whole blocks, at least one)."""
+    bs = cache.shape[1]
+    step = max(bs, max_rows // bs * bs)
+    row = block_table_row[None]
+    for start in range(0, seq_len, step):
+        n = min(step, seq_len - start)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=cache.device)
+        st = torch.tensor([start], dtype=torch.int32, device=cache.device)
+        yield start, gather_and_maybe_dequant_cache(cache, row, cu, st, out_dtype, k_scale)
+
+
+def merge_attn_states(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix_output: torch.Tensor,
+                      suffix_lse: torch.Tensor, output: torch.Tensor | None = None,
+                      output_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key sets by their LSEs (vLLM
+    ``merge_attn_states``; LSEs here are [T, H], token-major).
+
+    Args:
+        prefix_output / suffix_output: [T, H, D], any strides (e.g. a slice of a padded-V output).
+        prefix_lse / suffix_lse: [T, H] fp32 natural-log LSE, any strides. +inf is treated as -inf
+            (an empty key segment); a side whose LSE is -inf has weight exactly 0, even if its
+            output holds garbage or NaN.
+        output / output_lse: optional destinations ([T, H, D] / [T, H]); may alias neither input.
+    Returns:
+        (output [T, H, D] in prefix_output's dtype, lse [T, H] fp32). Where both LSEs are -inf the
+        output is 0 and the LSE -inf; never NaN from the merge itself.
+    Formula: m = max(lse_p, lse_s); w = e^(lse - m); out = (w_p o_p + w_s o_s) / (w_p + w_s);
+    lse = m + log(w_p + w_s).
+    """
+    neg_inf = torch.tensor(float("-inf"), device=prefix_lse.device)
+    lp = prefix_lse.float()
+    ls = suffix_lse.float()
+    lp = torch.where(lp == float("inf"), neg_inf, lp)
+    ls = torch.where(ls == float("inf"), neg_inf, ls)
+    m = torch.maximum(lp, ls)
+    empty = m == float("-inf")
+    m_safe = torch.where(empty, torch.zeros_like(m), m)
+    wp = torch.exp(lp - m_safe)
+    ws = torch.exp(ls - m_safe)
+    tot = wp + ws
+    inv = torch.where(empty, torch.zeros_like(tot), 1.0 / torch.where(empty, torch.ones_like(tot), tot))
+    zero = torch.zeros((), device=prefix_output.device)
+    po = torch.where((wp > 0)[..., None], prefix_output.float() * (wp * inv)[..., None], zero)
+    so = torch.where((ws > 0)[..., None], suffix_output.float() * (ws * inv)[..., None], zero)
+    out_f = po + so
+    lse = torch.where(empty, neg_inf, torch.log(torch.where(empty, torch.ones_like(tot), tot)) + m_safe)
+    if output is None:
+        output = out_f.to(prefix_output.dtype)
+    else:
+        output.copy_(out_f)
+    if output_lse is None:
+        output_lse = lse
+    else:
+        output_lse.copy_(lse)
+    return output, output_lse

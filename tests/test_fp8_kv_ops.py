@@ -1,0 +1,301 @@
+"""FP8 paged KV cache ops: write -> gather round trips, saturation, scale-1.0 identity, LSE merge
+edge cases, and the Triton kernels against the PyTorch references (``TRITON_INTERPRET=1``, in a
+subprocess so that the interpreter flag is set before triton is first imported)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from longflash.attention import ops
+
+FP8 = torch.float8_e4m3fn
+R, P = 24, 8  # a latent row [kv_c | k_pe] of width 32
+
+
+def _layout(block_size, seq_lens, seed):
+    """Random physical blocks for each request (a random permutation of the pool, -1 padded)."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-n // block_size) for n in seq_lens]
+    pool = sum(nblk) + 3
+    perm = torch.randperm(pool, generator=g).tolist()
+    table = torch.full((len(seq_lens), max(max(nblk), 1)), -1, dtype=torch.int32)
+    k = 0
+    for b, n in enumerate(nblk):
+        table[b, :n] = torch.tensor(perm[k:k + n], dtype=torch.int32)
+        k += n
+    return pool, table
+
+
+def _write_requests(cache, table, seq_lens, rows, k_scale, block_size):
+    slots = []
+    for b, n in enumerate(seq_lens):
+        slots += [int(table[b, p // block_size]) * block_size + p % block_size for p in range(n)]
+    slots = torch.tensor(slots, dtype=torch.int64)
+    ops.concat_and_cache_mla(rows[:, :R], rows[:, R:], cache, slots, k_scale)
+    return slots
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("k_scale", [1.0, 0.1, 3.7])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_write_gather_round_trip(cache_dtype, k_scale, block_size):
+    seq_lens = [70, 0, 5, 130, 1]
+    pool, table = _layout(block_size, seq_lens, seed=block_size)
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(sum(seq_lens), R + P, generator=g) * k_scale * 20  # spans much of the fp8 range
+    cache = torch.zeros(pool, block_size, R + P, dtype=cache_dtype)
+    _write_requests(cache, table, seq_lens, rows, k_scale, block_size)
+    per_req = list(torch.split(rows, seq_lens))
+    # Unaligned starts; the zero-length requests and a zero-length slice of a long one gather nothing.
+    starts = [3, 0, 1, 17, 0]
+    lens = [60, 0, 4, 0, 1]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = ops.gather_and_maybe_dequant_cache(cache, table, cu, torch.tensor(starts, dtype=torch.int32),
+                                             torch.float32, k_scale)
+    assert out.shape == (sum(lens), R + P) and out.dtype == torch.float32
+    want = torch.cat([per_req[b][starts[b]:starts[b] + lens[b]] for b in range(len(seq_lens))])
+    if cache_dtype == torch.bfloat16:
+        assert torch.equal(out, want.to(torch.bfloat16).float())
+    else:
+        # Exactly the E4M3 rounding of x / k_scale, times k_scale ...
+        q = (want / torch.tensor(k_scale)).clamp(-448, 448).to(FP8).float() * torch.tensor(k_scale)
+        assert torch.equal(out, q)
+        # ... which is within half an E4M3 ulp (3 mantissa bits) of the input, or of the subnormal step.
+        err = (out - want).abs()
+        assert bool((err <= want.abs() * 2.0 ** -4 + k_scale * 2.0 ** -10).all())
+    # Whole sequences with seq_starts=None (starts at 0), mixed with an empty request.
+    cu = torch.tensor([0, 70, 70, 75, 205, 206], dtype=torch.int32)
+    full = ops.gather_and_maybe_dequant_cache(cache, table, cu, None, torch.float32, k_scale)
+    assert full.shape == (206, R + P)
+    if cache_dtype == torch.bfloat16:
+        assert torch.equal(full, rows.to(torch.bfloat16).float())
+
+
+def test_slot_minus_one_is_skipped_and_bad_positions_raise():
+    cache = torch.zeros(2, 16, R + P, dtype=FP8)
+    rows = torch.ones(3, R + P)
+    ops.concat_and_cache_mla(rows[:, :R], rows[:, R:], cache, torch.tensor([0, -1, 17]), 1.0)
+    flat = cache.view(32, R + P).float()
+    assert flat[0].eq(1).all() and flat[17].eq(1).all()
+    assert int(flat.ne(0).any(dim=1).sum()) == 2
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError):
+        ops.gather_and_maybe_dequant_cache(cache, table, torch.tensor([0, 5], dtype=torch.int32),
+                                           torch.tensor([30], dtype=torch.int32), torch.float32, 1.0)
+
+
+@pytest.mark.parametrize("k_scale", [1.0, 0.1, 3.7])
+def test_values_beyond_fp8_range_saturate(k_scale):
+    cache = torch.zeros(1, 16, R + P, dtype=FP8)
+    big = torch.tensor([1e4, -1e4, 449.0 * k_scale, -1e30, 448.0 * k_scale, 1e30])[:, None].expand(-1, R + P)
+    ops.concat_and_cache_mla(big[:, :R].contiguous(), big[:, R:].contiguous(), cache, torch.arange(6), k_scale)
+    out = ops.gather_and_maybe_dequant_cache(cache, torch.tensor([[0]], dtype=torch.int32),
+                                             torch.tensor([0, 6], dtype=torch.int32), None, torch.float32, k_scale)
+    sat = 448.0 * torch.tensor(k_scale).item()
+    want = torch.tensor([sat, -sat, sat, -sat, sat, sat])[:, None].expand(-1, R + P)
+    assert torch.allclose(out, want, rtol=1e-6)
+    assert not out.isnan().any() and not out.isinf().any()
+
+
+def test_fp8_scale_one_bit_identical_to_no_scale():
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(40, R + P, generator=g) * 50
+    a = torch.zeros(4, 16, R + P, dtype=FP8)
+    b = torch.zeros_like(a)
+    slots = torch.randperm(64, generator=g)[:40]
+    ops.concat_and_cache_mla(rows[:, :R], rows[:, R:], a, slots, 1.0)
+    ops.concat_and_cache_mla(rows[:, :R], rows[:, R:], b, slots)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)
+    cu = torch.tensor([0, 50], dtype=torch.int32)
+    st = torch.tensor([7], dtype=torch.int32)
+    ga = ops.gather_and_maybe_dequant_cache(a, table, cu, st, torch.float32, 1.0)
+    gb = ops.gather_and_maybe_dequant_cache(a, table, cu, st, torch.float32)
+    assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("k_scale", [0.1, 3.7])
+def test_gqa_cache_round_trip_fp8(k_scale):
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 20, 2, 8, generator=g) * k_scale * 30
+    kc = torch.zeros(3, 16, 2, 8, dtype=FP8)
+    vc = torch.zeros_like(kc)
+    slots = torch.arange(20) + 11
+    ops.reshape_and_cache(k, v, kc, vc, slots, k_scale, k_scale)
+    table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    st = torch.tensor([11], dtype=torch.int32)
+    for src, cache in ((k, kc), (v, vc)):
+        out = ops.gather_and_maybe_dequant_cache(cache, table, cu, st, torch.float32, k_scale)
+        s = torch.tensor(k_scale)
+        assert torch.equal(out, (src / s).clamp(-448, 448).to(FP8).float() * s)
+
+
+def test_decode_attention_reads_fp8_in_bounded_pieces():
+    """Absorbed decode over an fp8 cache in 16-row pieces equals attention over the dequantized rows."""
+    g = torch.Generator().manual_seed(3)
+    L, H = 75, 2
+    rows = torch.randn(L, R + P, generator=g)
+    cache = torch.zeros(6, 16, R + P, dtype=FP8)
+    table = torch.tensor([[5, 2, 0, 4, 1]], dtype=torch.int32)
+    slots = torch.tensor([int(table[0, p // 16]) * 16 + p % 16 for p in range(L)])
+    ops.concat_and_cache_mla(rows[:, :R], rows[:, R:], cache, slots, 0.05)
+    q = torch.randn(3, H, R + P, generator=g)
+    out, lse = ops.mla_decode_attention(q, cache, table, [0, 3], [L], 0.2, R, 0.05, max_rows_per_piece=16)
+    kv = ops.gather_and_maybe_dequant_cache(cache, table, torch.tensor([0, L], dtype=torch.int32), None,
+                                            torch.float32, 0.05)[:, None]
+    want, want_lse = ops.attention_with_lse(q, kv, kv[..., :R], 0.2, causal_offset=L - 3)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- merge_attn_states
+
+def _merge_ref_dense(po, pl, so, sl):
+    """The merge as attention over the union of both key sets (float64)."""
+    pl = torch.where(pl == float("inf"), torch.tensor(float("-inf")), pl).double()
+    sl = torch.where(sl == float("inf"), torch.tensor(float("-inf")), sl).double()
+    lse = torch.logaddexp(pl, sl)
+    wp = torch.exp(pl - lse).nan_to_num(0.0)
+    ws = torch.exp(sl - lse).nan_to_num(0.0)
+    return (wp[..., None] * po.double() + ws[..., None] * so.double()), lse
+
+
+def test_merge_matches_union_attention():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 2, 8, generator=g)
+    k = torch.randn(12, 2, 8, generator=g)
+    v = torch.randn(12, 2, 6, generator=g)
+    o_all, l_all = ops.attention_with_lse(q, k, v, 0.3, None)
+    o1, l1 = ops.attention_with_lse(q, k[:7], v[:7], 0.3, None)
+    o2, l2 = ops.attention_with_lse(q, k[7:], v[7:], 0.3, None)
+    o, lse = ops.merge_attn_states(o1, l1, o2, l2)
+    assert torch.allclose(o, o_all, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lse, l_all, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_edge_cases_never_nan():
+    inf = float("inf")
+    po = torch.randn(4, 1, 3)
+    so = torch.randn(4, 1, 3)
+    pl = torch.tensor([[-inf], [inf], [0.5], [-inf]])
+    sl = torch.tensor([[-inf], [1.0], [inf], [2.0]])
+    po[0], so[0] = float("nan"), 7.0  # garbage behind a -inf LSE must not leak
+    po[3] = float("nan")
+    o, lse = ops.merge_attn_states(po, pl, so, sl)
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert torch.equal(o[0], torch.zeros(1, 3)) and lse[0, 0] == -inf          # both -inf: 0, -inf
+    assert torch.equal(o[1], so[1]) and lse[1, 0] == 1.0                       # +inf prefix = empty
+    assert torch.equal(o[2], po[2]) and lse[2, 0] == 0.5                       # +inf suffix = empty
+    assert torch.equal(o[3], so[3]) and lse[3, 0] == 2.0                       # NaN output with weight 0
+    # Both sides finite but far apart: no overflow.
+    o, lse = ops.merge_attn_states(po[2:3], torch.tensor([[1000.0]]), so[2:3], torch.tensor([[-1000.0]]))
+    assert torch.allclose(o, po[2:3]) and lse.item() == 1000.0
+
+
+def test_merge_strided_inputs_padded_v():
+    """Prefix is a slice of a padded-V buffer (bigger head stride), suffix is transposed memory."""
+    g = torch.Generator().manual_seed(5)
+    T, H, D = 6, 3, 5
+    padded = torch.randn(T, H, D + 3, generator=g)
+    po = padded[..., :D]
+    so = torch.randn(H, T, D, generator=g).transpose(0, 1)
+    pl = torch.randn(H, T, generator=g).t()  # [T, H] with strides (1, T)
+    sl = torch.randn(T, H, generator=g)
+    o, lse = ops.merge_attn_states(po, pl, so, sl)
+    want, want_lse = _merge_ref_dense(po, pl, so, sl)
+    assert torch.allclose(o.double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- Triton == reference
+
+_KERNEL_SCRIPT = r"""
+import json, os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from longflash.attention import ops, triton_ops as tk
+FP8 = torch.float8_e4m3fn
+res = {}
+g = torch.Generator().manual_seed(0)
+R, P = 24, 8
+# cache write: fp8 bytes must equal torch's E4M3 conversion exactly (integer rounding in the kernel)
+x = torch.randn(300, R + P, generator=g) * torch.logspace(-4, 3, 300)[:, None]
+x[0, :6] = torch.tensor([1.9375, 0.1216, 1.0625, 449.0, -1e6, 2.0 ** -10])
+for bs in (16, 64):
+    nb = -(-300 // bs) + 2
+    slots = torch.randperm(nb * bs, generator=g)[:300]
+    slots[5] = -1
+    for cdt, scales in ((FP8, (None, 1.0, 0.1, 3.7)), (torch.bfloat16, (None,)), (torch.float32, (None,))):
+        for s in scales:
+            a = torch.zeros(nb, bs, R + P, dtype=cdt)
+            b = torch.zeros_like(a)
+            ops.concat_and_cache_mla(x[:, :R], x[:, R:], a, slots, s)
+            tk.concat_and_cache_mla(x[:, :R], x[:, R:], b, slots, s)
+            key = f"write_{cdt}_{s}_{bs}"
+            if cdt == torch.bfloat16:  # the interpreter's fp32->bf16 cast is not RNE: one bf16 ulp
+                res[key] = bool(torch.allclose(a.float(), b.float(), rtol=2.0 ** -7, atol=0))
+            else:  # fp8 (integer rounding in the kernel) and fp32: byte-equal
+                res[key] = bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+            # gather + dequant, unaligned starts, a zero-length request, random tables
+            table = torch.randperm(nb, generator=g).to(torch.int32).view(1, -1).repeat(3, 1)
+            table[1] = torch.randperm(nb, generator=g).to(torch.int32)
+            lens = torch.tensor([40, 0, 77])
+            starts = torch.tensor([5, 3, 13], dtype=torch.int32)
+            cu = torch.cat([torch.zeros(1), lens.cumsum(0)]).to(torch.int32)
+            for out_dtype in (torch.float32, torch.bfloat16):
+                r = ops.gather_and_maybe_dequant_cache(a, table, cu, starts, out_dtype, s)
+                k = tk.gather_and_maybe_dequant_cache(a, table, cu, starts, out_dtype, s)
+                key = f"gather_{cdt}_{s}_{bs}_{out_dtype}"
+                if out_dtype == torch.float32:
+                    res[key] = bool(torch.equal(r, k))
+                else:  # the interpreter's fp32->bf16 cast is not RNE: allow one bf16 ulp
+                    res[key] = bool(torch.allclose(r.float(), k.float(), rtol=2.0 ** -7, atol=0))
+            z = tk.gather_and_maybe_dequant_cache(a, table, torch.zeros(4, dtype=torch.int32), None, torch.float32, s)
+            res[f"gather_empty_{cdt}_{s}_{bs}"] = z.shape == (0, R + P)
+# merge: edge cases and strided inputs
+inf = float("inf")
+T, H, D = 7, 3, 20
+padded = torch.randn(T, H, D + 12, generator=g)
+po = padded[..., :D]
+so = torch.randn(H, T, D, generator=g).transpose(0, 1)
+pl = torch.randn(H, T, generator=g).t()
+sl = torch.randn(T, H, generator=g)
+pl[0, 0], sl[0, 0] = -inf, -inf
+pl[1, 1] = inf
+sl[2, 2] = inf
+pl[3, 0] = -inf
+po[3, 0] = float("nan")
+ro, rl = ops.merge_attn_states(po, pl, so, sl)
+ko, kl = tk.merge_attn_states(po, pl, so, sl)
+res["merge_out_close"] = bool(torch.allclose(ro, ko, rtol=1e-6, atol=1e-7))
+res["merge_lse_close"] = bool(torch.allclose(rl, kl, rtol=1e-6, atol=1e-7, equal_nan=False))
+res["merge_no_nan"] = not bool(ko.isnan().any() or kl.isnan().any())
+res["merge_both_neginf"] = bool(ko[0, 0].eq(0).all()) and kl[0, 0].item() == -inf
+out = torch.empty(T, H, D + 4)[..., :D]
+olse = torch.empty(H, T).t()
+tk.merge_attn_states(po, pl, so, sl, out, olse)
+res["merge_strided_out"] = bool(torch.allclose(out, ro, rtol=1e-6, atol=1e-7) and torch.allclose(olse, rl, rtol=1e-6, atol=1e-7))
+print("RESULT" + json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel_results():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])
+
+
+def test_triton_kernels_equal_reference(kernel_results):
+    assert len(kernel_results) > 40
+    bad = [k for k, v in kernel_results.items() if not v]
+    assert not bad, bad

@@ -23,6 +23,7 @@ from longflash.layers.moe import MoE, TopkRouter
 from longflash.layers.mxfp4 import MXFP4Experts, check_mxfp4_quant_config, routed_experts_packed
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters
+from longflash.models.attn_res_plan import ATTN_MIX, MLP_MIX, attn_res_plan, execute_plan
 from longflash.models.base import CausalLM, KVCacheSpec
 
 logger = logging.getLogger("longflash")
@@ -117,28 +118,41 @@ class KimiK3Model(nn.Module):
         self.block_size = cfg["attn_res_block_size"]
         self.num_bank_slots = math.ceil(cfg["num_hidden_layers"] / self.block_size)
         self.eps = eps
+        # AttnRes output-storage reuse (config key ``attn_res_reuse``, default on): the lifetime plan
+        # is built and checked here, once per (num_layers, block size); False allocates every output.
+        self.attn_res_reuse = bool(cfg.get("attn_res_reuse", True))
+        self.attn_res_schedule, self.attn_res_storage = attn_res_plan(cfg["num_hidden_layers"], self.block_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden [T, H]. Block AttnRes order of operations of
-        attnres_kimi.md; the bank and prefix live only for this forward."""
-        prefix = self.embed_tokens(input_ids)
-        bank: list[torch.Tensor] = []
-        bs = self.block_size
-        for l, layer in enumerate(self.layers):
-            n = -(-l // bs)
-            wr = l % bs == 0
-            h = attn_res_mix(bank[:n] + [prefix], layer.self_attention_res_norm.weight,
-                             layer.self_attention_res_proj.weight, self.eps)
-            if wr:
-                bank.append(prefix)
-            a = layer.self_attn(layer.input_layernorm(h))
-            prefix = a if wr else prefix + a
-            h = attn_res_mix(bank[:n + int(wr)] + [prefix], layer.mlp_res_norm.weight,
-                             layer.mlp_res_proj.weight, self.eps)
-            prefix = prefix + layer.ffn(layer.post_attention_layernorm(h))
-        y = attn_res_mix(bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                         self.eps)
-        return self.norm(y)
+        attnres_kimi.md, executed through the storage plan (``attn_res_plan``): every embedding, mixer,
+        attention/MLP output and prefix sum is written into its planned view of one per-forward pool
+        (or, with ``attn_res_reuse`` off, into its own allocation; the two are bitwise equal). The bank
+        and prefix live only for this forward."""
+        layers, eps = self.layers, self.eps
+        weight = self.embed_tokens.weight
+
+        def mix(l, kind, sources, out):
+            if l is None:
+                g, w = self.output_attn_res_norm.weight, self.output_attn_res_proj.weight
+            elif kind == ATTN_MIX:
+                g, w = layers[l].self_attention_res_norm.weight, layers[l].self_attention_res_proj.weight
+            else:
+                assert kind == MLP_MIX
+                g, w = layers[l].mlp_res_norm.weight, layers[l].mlp_res_proj.weight
+            return attn_res_mix(sources, g, w, eps, out=out)
+
+        def attn(l, h, out):
+            return out.copy_(layers[l].self_attn(layers[l].input_layernorm(h)))
+
+        def mlp(l, h, out):
+            return out.copy_(layers[l].ffn(layers[l].post_attention_layernorm(h)))
+
+        res = execute_plan(self.attn_res_schedule, self.attn_res_storage, input_ids.shape[0], weight.shape[1],
+                           weight.dtype, weight.device,
+                           embed=lambda out: torch.index_select(weight, 0, input_ids, out=out),
+                           mix=mix, attn=attn, mlp=mlp, reuse=self.attn_res_reuse)
+        return self.norm(res.y)
 
 
 class KimiK3ForCausalLM(CausalLM):

@@ -62,6 +62,9 @@ class EngineConfig:
 
     Units: ``max_model_len``, ``max_num_batched_tokens``, ``block_size`` in tokens;
     ``kv_cache_memory`` in bytes (None = ``num_gpu_blocks`` or a default budget).
+    ``kv_cache_dtype`` fp8 (= fp8_e4m3) stores one byte per element with a per-layer ``k_scale``
+    (1.0, a checkpoint's ``*.k_scale``, or with ``calculate_kv_scales`` amax / 200 of the first batch).
+    ``context_workspace_rows``: rows of cached context a prefill gathers at once (chunked context).
     """
 
     model: str
@@ -74,6 +77,8 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     num_gpu_blocks: int | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    context_workspace_rows: int = 64 * 1024
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -95,6 +100,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be one of auto, bfloat16, fp8; got {self.kv_cache_dtype!r}")
+        if self.context_workspace_rows < self.block_size:
+            raise ValueError(f"context_workspace_rows ({self.context_workspace_rows}) must be >= block_size "
+                             f"({self.block_size})")
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         if tp < 1 or dcp < 1 or tp % dcp != 0:
             raise ValueError(f"decode_context_parallel_size ({dcp}) must divide tensor_parallel_size ({tp})")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from longflash.attention import ops
+from longflash.attention.chunked_context import DEFAULT_CONTEXT_WORKSPACE_ROWS, plan_context_chunks
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding
 from longflash.runner.context import get_forward_context
@@ -27,7 +28,10 @@ class MLAAttention(nn.Module):
     Weight names follow the DeepSeek/Kimi checkpoints (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``
     or ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``, optional
     ``g_proj``). ``kv_cache`` is set by the model runner: [num_blocks, block_size, kv_lora_rank +
-    qk_rope_head_dim]. ``k_scale`` is the fp8 dequantization multiplier (1.0 default).
+    qk_rope_head_dim]. ``k_scale`` is the fp8 dequantization multiplier (1.0 default);
+    ``calculate_kv_scales`` (set by the runner) makes the first forward set it to amax / 200 of the
+    rows it writes, then it stays frozen. ``context_workspace_rows`` (W) bounds the rows of cached
+    context that a prefill gathers and up-projects at once.
 
     forward: hidden [T, H] -> [T, H] (reads the forward context).
     """
@@ -60,6 +64,9 @@ class MLAAttention(nn.Module):
         self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False) if output_gate else None
         self.kv_cache: torch.Tensor | None = None
         self.k_scale: float = 1.0
+        self.k_scale_source: str = "default"
+        self.calculate_kv_scales: bool = False
+        self.context_workspace_rows: int = DEFAULT_CONTEXT_WORKSPACE_ROWS
 
     # W_UK: [H, qk_nope, R], W_UV: [H, v, R] views of kv_b_proj.weight [H*(nope+v), R].
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,18 +92,24 @@ class MLAAttention(nn.Module):
             cos, sin = self.rotary.cos_sin(ctx.positions, q.dtype)
             q_pe = self.rotary.rotate(q_pe, cos, sin)
             k_pe = self.rotary.rotate(k_pe, cos, sin)
-        ops.concat_and_cache_mla(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self._k_scale())
+        if self.calculate_kv_scales and self._k_scale() is not None:
+            amax = float(torch.maximum(kv_c.abs().max(), k_pe.abs().max())) if T else 0.0
+            self.k_scale = amax / 200.0 if amax > 0 else 1.0
+            self.k_scale_source = "calculated"
+            self.calculate_kv_scales = False  # frozen from now on
+        kernels = cache_ops(self.kv_cache)
+        kernels.concat_and_cache_mla(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self._k_scale())
 
         out = x.new_empty(T, self.num_heads, self.v_head_dim)
         w_uk, w_uv = self._w_uk_uv()
         qsl = ctx.query_start_loc_cpu
-        decode_reqs = [b for b in range(ctx.num_reqs) if ctx.is_decode[b]]
-        prefill_reqs = [b for b in range(ctx.num_reqs) if not ctx.is_decode[b]]
-        for group, fn in ((decode_reqs, self._decode), (prefill_reqs, self._prefill)):
-            for b in group:
-                s, e = qsl[b], qsl[b + 1]
-                if e > s:
-                    out[s:e] = fn(q_nope[s:e], q_pe[s:e], b, ctx, w_uk, w_uv)
+        for b in range(ctx.num_reqs):
+            s, e = qsl[b], qsl[b + 1]
+            if ctx.is_decode[b] and e > s:
+                out[s:e] = self._decode(q_nope[s:e], q_pe[s:e], b, ctx, w_uk, w_uv)
+        prefill_reqs = [b for b in range(ctx.num_reqs) if not ctx.is_decode[b] and qsl[b + 1] > qsl[b]]
+        if prefill_reqs:
+            self._prefill(q_nope, q_pe, kv_c, k_pe, prefill_reqs, ctx, out, kernels)
         out = out.reshape(T, self.num_heads * self.v_head_dim)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
@@ -110,15 +123,54 @@ class MLAAttention(nn.Module):
             self.scale, self.kv_lora_rank, self._k_scale())
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
-    def _prefill(self, q_nope, q_pe, b, ctx, w_uk, w_uv) -> torch.Tensor:
-        L = ctx.seq_lens_cpu[b]
-        rows = ops.gather_and_maybe_dequant_cache(
-            self.kv_cache, ctx.block_table[b:b + 1], torch.tensor([0, L], dtype=torch.int32, device=q_nope.device),
-            None, q_nope.dtype, self._k_scale())
-        kv_c, k_pe = rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(kv_c).view(L, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+    def _prefill(self, q_nope, q_pe, kv_c, k_pe, reqs: list[int], ctx, out: torch.Tensor, kernels) -> None:
+        """Chunked-context prefill of the batch's prefill requests, written into ``out`` rows.
+
+        New tokens attend causally among themselves, up-projected from this step's latents; the
+        cached context [0, context_len) attends non-causally through workspace chunks of at most
+        ``context_workspace_rows`` rows (``chunked_context.plan_context_chunks``), dequantized by the
+        gather; the partial results merge by LSE.
+        """
+        H, nope, vd = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        qsl = ctx.query_start_loc_cpu
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        run_out: dict[int, torch.Tensor] = {}
+        run_lse: dict[int, torch.Tensor] = {}
+        for b in reqs:
+            s, e = qsl[b], qsl[b + 1]
+            k, v = self._up_project(kv_c[s:e], k_pe[s:e])
+            run_out[b], run_lse[b] = ops.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=0)
+        plan = plan_context_chunks([ctx.context_lens_cpu[b] for b in reqs], self.context_workspace_rows,
+                                   self.kv_cache.shape[1])
+        reqs_t = torch.tensor(reqs, dtype=torch.int64, device=ctx.block_table.device)
+        for chunk in plan:
+            idx, cu, starts = chunk.gather_args(ctx.block_table.device)
+            rows = kernels.gather_and_maybe_dequant_cache(
+                self.kv_cache, ctx.block_table[reqs_t[idx]], cu, starts, q.dtype, self._k_scale())
+            k_all, v_all = self._up_project(*rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1))
+            for seg in chunk.segments:
+                b = reqs[seg.req]
+                s, e = qsl[b], qsl[b + 1]
+                r0, r1 = seg.offset, seg.offset + seg.length
+                o, lse = ops.attention_with_lse(q[s:e], k_all[r0:r1], v_all[r0:r1], self.scale, causal_offset=None)
+                run_out[b], run_lse[b] = kernels.merge_attn_states(o, lse, run_out[b], run_lse[b])
+            del rows, k_all, v_all
+        for b in reqs:
+            out[qsl[b]:qsl[b + 1]] = run_out[b]
+
+    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [n, R], [n, rope] -> K [n, H, nope + rope], V [n, H, v] through ``kv_b_proj``."""
+        n = kv_c.shape[0]
+        kv = self.kv_b_proj(kv_c).view(n, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        o, _ = ops.attention_with_lse(q, k, v, self.scale, causal_offset=L - q.shape[0])
-        return o
+        return k, v
+
+
+def cache_ops(cache: torch.Tensor):
+    """The module implementing the cache write / gather / merge ops for ``cache``'s device: the
+    Triton kernels on a GPU, the PyTorch references elsewhere (same signatures)."""
+    if cache.is_cuda:
+        from longflash.attention import triton_ops
+        return triton_ops
+    return ops

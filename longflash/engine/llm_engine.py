@@ -115,7 +115,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device)
+        self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device,
+                                  config.calculate_kv_scales, config.context_workspace_rows)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampling_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.stats = EngineStats()
@@ -155,6 +156,27 @@ class LLMEngine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "max_concurrency": round(self.num_blocks / per_req_blocks, 2),
+            **self._kv_scale_report(),
+        }
+
+    def _kv_scale_report(self) -> dict:
+        """fp8 scales per layer (and where they came from) and the token capacity of this KV budget
+        in each cache dtype (fp8 holds twice the tokens of bf16)."""
+        spec = self.model.kv_cache_spec()
+        bs = self.config.block_size
+        budget = self.num_blocks * bs * self.kv_bytes_per_token
+        capacity = {str(d).replace("torch.", ""): budget // (spec.bytes_per_token(d) * bs) * bs
+                    for d in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)}
+        layers = self.model.attention_layers()
+        fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
+        sources = sorted({getattr(m, "k_scale_source", "default") for m in layers})
+        if fp8 and self.config.calculate_kv_scales and any(getattr(m, "calculate_kv_scales", False) for m in layers):
+            sources = ["pending: amax/200 of the first batch"]
+        return {
+            "kv_capacity_tokens_by_dtype": capacity,
+            "context_workspace_rows": self.config.context_workspace_rows,
+            "k_scales": [float(getattr(m, "k_scale", 1.0)) for m in layers] if fp8 else None,
+            "k_scale_source": ",".join(sources) if fp8 else "unused (cache is not fp8)",
         }
 
     def log_startup(self) -> None:
@@ -166,6 +188,12 @@ class LLMEngine:
                     r["kv_cache_blocks"], self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
                     r["kv_cache_bytes"] / 2**20)
         logger.info("maximum concurrency for %d tokens per request: %.2fx", r["max_model_len"], r["max_concurrency"])
+        logger.info("KV capacity of this budget by cache dtype: %s tokens; context workspace %d rows",
+                    r["kv_capacity_tokens_by_dtype"], r["context_workspace_rows"])
+        if r["k_scales"] is not None:
+            ks = r["k_scales"]
+            logger.info("fp8 KV k_scale (%s): min %.4g max %.4g over %d layers", r["k_scale_source"],
+                        min(ks), max(ks), len(ks))
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -23,6 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="KV cache budget: bytes or e.g. 2GiB (default: 1GiB on CPU, 90%% of free GPU memory)")
     p.add_argument("--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3"])
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV cache: set each layer's k_scale to amax/200 of the first batch, then freeze it")
+    p.add_argument("--max-context-workspace-rows", dest="context_workspace_rows", type=int, default=64 * 1024,
+                   help="rows of cached context a prefill gathers at once (bounds its peak memory)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
@@ -39,7 +43,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        context_workspace_rows=args.context_workspace_rows, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed,
         skip_tokenizer_init=args.skip_tokenizer_init, tokenizer=args.tokenizer,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -21,10 +21,13 @@ class ModelRunner:
         num_blocks / block_size: cache geometry (tokens per block).
         kv_cache_dtype: torch dtype of the cache (model dtype, bf16 or float8_e4m3fn).
         device: where tensors live.
+        calculate_kv_scales: each attention layer sets its fp8 ``k_scale`` from its first batch.
+        context_workspace_rows: W of chunked-context prefill (None = the layers' default).
     """
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, calculate_kv_scales: bool = False,
+                 context_workspace_rows: int | None = None):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -35,6 +38,10 @@ class ModelRunner:
         for layer in model.attention_layers():
             cache = torch.zeros(spec.block_shape(num_blocks, block_size), dtype=kv_cache_dtype, device=device)
             layer.kv_cache = cache
+            if calculate_kv_scales and hasattr(layer, "calculate_kv_scales"):
+                layer.calculate_kv_scales = True
+            if context_workspace_rows is not None and hasattr(layer, "context_workspace_rows"):
+                layer.context_workspace_rows = context_workspace_rows
             self.kv_caches.append(cache)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, list[int]]:

@@ -185,3 +185,19 @@ def test_triton_kernel_matches_reference_under_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_dequantize_in_place_equals_fp32_product_then_cast():
+    torch.manual_seed(3)
+    x = torch.randn(64, 256) * torch.logspace(-40, 37, 64)[:, None]
+    data, scales = quantize_mxfp8(x)
+    f32 = dequantize_mxfp8(data, scales)
+    # fp32 is exact: e4m3 value times 2^(b - 127), checked against an independent decode
+    e4m3 = data.view(torch.float8_e4m3fn).double()
+    expect = e4m3 * torch.pow(2.0, scales.double() - 127).repeat_interleave(32, dim=1)
+    assert torch.equal(f32.double(), expect)
+    for dt in (torch.bfloat16, torch.float16):
+        scratch = torch.full((64, 256), 7.0, dtype=dt)
+        got = dequantize_mxfp8(data, scales, out=scratch)
+        assert got.data_ptr() == scratch.data_ptr()
+        assert torch.equal(got.view(torch.int16), f32.to(dt).view(torch.int16))

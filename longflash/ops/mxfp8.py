@@ -167,10 +167,14 @@ def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.
     m, k = data.shape
     if k % MX_BLOCK != 0 or tuple(scales.shape) != (m, k // MX_BLOCK):
         raise ValueError(f"scales {tuple(scales.shape)} do not match data {tuple(data.shape)}")
-    vals = data.to(torch.float32).view(m, k // MX_BLOCK, MX_BLOCK) * scale_bytes_to_float(scales).unsqueeze(-1)
     if out is None:
-        return vals.view(m, k).to(out_dtype)
-    if tuple(out.shape) != (m, k):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(m, k)}")
-    out.copy_(vals.view(m, k))
+        out = torch.empty(m, k, dtype=out_dtype, device=data.device)
+    elif tuple(out.shape) != (m, k) or not out.is_floating_point() or out.stride(1) != 1:
+        raise ValueError(f"out must be a floating [m, k] = {(m, k)} tensor contiguous in the last dim, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    # In place, so the only temporary is the [m, k / 32] scale tensor: E4M3 -> out dtype is exact
+    # (fp32/bf16/fp16 hold every E4M3 value), then one multiplication by the fp32 power of two per
+    # group, computed in fp32 and rounded once to the out dtype (same as the fp32 product, then a cast).
+    out.copy_(data)
+    out.view(m, k // MX_BLOCK, MX_BLOCK).mul_(scale_bytes_to_float(scales).unsqueeze(-1))
     return out

@@ -16,7 +16,6 @@ Triton is imported lazily, so the package imports on installs without it.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -40,8 +39,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+# Built on first use. NOTE: a plain global (not functools.lru_cache) so that torch.compile traces
+# ``quantize_mxfp8_into_triton`` as a call of a user-defined Triton kernel without graph breaks.
+_KERNEL = None
+_KERNEL_INTERPRETED = False
+
+
 def _kernel():
+    global _KERNEL, _KERNEL_INTERPRETED
+    if _KERNEL is None:
+        _KERNEL_INTERPRETED = _interpreting()
+        _KERNEL = _build_kernel()
+    return _KERNEL
+
+
+def _build_kernel():
     import triton
     import triton.language as tl
 
@@ -135,15 +147,15 @@ def quantize_mxfp8_into_triton(hidden: torch.Tensor, data: torch.Tensor, scales:
     data_u8 = _check_into_args(hidden, data, scales, col0)
     if hidden.stride(1) != 1:
         raise ValueError("hidden must be contiguous along the last dimension")
+    kernel = _kernel()
     if rounding is None:
-        rounding = "bits" if (_interpreting() or not hidden.is_cuda) else "native"
+        rounding = "bits" if (_KERNEL_INTERPRETED or not hidden.is_cuda) else "native"
     if rounding not in ("bits", "native"):
         raise ValueError(f"rounding must be 'bits' or 'native', got {rounding!r}")
     m, k = hidden.shape
     num_groups = k // MX_BLOCK
     if m == 0 or k == 0:
         return
-    kernel = _kernel()
     grid = ((m + block_m - 1) // block_m, (num_groups + groups - 1) // groups)
     kernel[grid](
         hidden, data_u8, scales,

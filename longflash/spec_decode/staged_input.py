@@ -186,7 +186,9 @@ class StagedDrafterInput:
         if tuple(hidden.shape) != (self.num_tokens, width):
             raise ValueError(f"tap {tap_index} has shape {tuple(hidden.shape)}, expected ({self.num_tokens}, {width})")
         n, c0 = self.num_tokens, self.col_offsets[tap_index]
-        quantize = self.quantize_fn or default_quantize_fn(hidden)
+        if self.quantize_fn is None:  # resolved once, on the first add (outside any compiled region)
+            self.quantize_fn = default_quantize_fn(hidden)
+        quantize = self.quantize_fn
         quantize(hidden, self.data[:n], self.scales[:n], c0)
         self._next_tap += 1
 

@@ -1,0 +1,468 @@
+"""Staged MXFP8 drafter input vs concatenate-then-quantize (issue 9).
+
+    python benchmarks/mxfp8_staged.py --out DIR            # GPU: M=4096, 6 taps x 7168, N=7168, bf16
+    python benchmarks/mxfp8_staged.py --out DIR --smoke    # tiny shape, runs on the CPU
+
+Writes DIR/mxfp8_staged.json and DIR/mxfp8_staged.md with:
+  * peak allocated bytes of one step, staged vs concatenated (CUDA: torch.cuda.max_memory_allocated,
+    reset before each; CPU: the LiveTensorBytes dispatch tracker), beside the production reference
+    figures 663,355,904 vs 1,278,083,584 bytes; goal staged/concat <= 0.50;
+  * time of the whole projection (quantize all taps + GEMM), staged vs concatenated; goal <= 1.00;
+  * quantize-kernel bandwidth vs the copy bandwidth measured in the same run; goal >= 0.90;
+  * bitwise equality (Triton vs reference bytes, staged vs concat bytes and outputs);
+  * the accumulator under torch.compile(fullgraph=True) and under CUDA-graph capture + replay.
+Each section records its error instead of aborting the run, and the JSON is rewritten after each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from longflash.ops.mxfp8 import MX_BLOCK, quantize_mxfp8_into  # noqa: E402
+from longflash.spec_decode.staged_input import (LiveTensorBytes, StagedDrafterInput,  # noqa: E402
+                                                concat_then_quantize, mxfp8_buffers, project_mxfp8)
+
+REF_STAGED_BYTES = 663_355_904
+REF_CONCAT_BYTES = 1_278_083_584
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ity = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}.get(t.dtype)
+    return t.view(ity) if ity is not None else t
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.cuda = torch.cuda.is_available() and not args.cpu
+        self.dev = torch.device("cuda" if self.cuda else "cpu")
+        if args.smoke:
+            self.m, self.widths, self.n = 64, [256] * 6, 256
+        else:
+            self.m, self.widths, self.n = args.tokens, [args.width] * args.taps, args.width
+        self.k = sum(self.widths)
+        self.dtype = torch.bfloat16
+        self.row_chunk = min(args.row_chunk, self.m)
+        self.reps = 3 if args.smoke else args.reps
+        self.res: dict = {"shape": {"tokens": self.m, "tap_widths": self.widths, "out_features": self.n,
+                                    "dtype": "bfloat16", "row_chunk": self.row_chunk}}
+        self.out_dir = args.out
+        self._flush = torch.empty(256 << 20 if self.cuda else 1 << 20, dtype=torch.int8, device=self.dev)
+        self.triton_ok = False
+        if self.cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            try:
+                from longflash.ops.mxfp8_triton import quantize_mxfp8_into_triton
+                self.qtri = quantize_mxfp8_into_triton
+                self.triton_ok = True
+            except ImportError:
+                pass
+        self.quantize = self.qtri if self.triton_ok else quantize_mxfp8_into
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time_ms(self, fn, reps=None, flush=True) -> float:
+        """Median wall time of fn in ms (CUDA events on GPU), L2 flushed before each rep."""
+        reps = reps or self.reps
+        fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            if flush:
+                self._flush.zero_()
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def taps(self, seed=0):
+        g = torch.Generator(device=self.dev).manual_seed(seed)
+        return [torch.randn(self.m, w, generator=g, device=self.dev, dtype=self.dtype) for w in self.widths]
+
+    def weight(self):
+        g = torch.Generator(device=self.dev).manual_seed(123)
+        return (torch.randn(self.n, self.k, generator=g, device=self.dev, dtype=self.dtype) * 0.02)
+
+    def save(self):
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, "mxfp8_staged.json"), "w") as f:
+            json.dump(self.res, f, indent=2)
+        with open(os.path.join(self.out_dir, "mxfp8_staged.md"), "w") as f:
+            f.write(self.markdown())
+
+    def section(self, name, fn):
+        t0 = time.perf_counter()
+        try:
+            self.res[name] = fn()
+        except Exception as e:  # record and go on: one failing section must not hide the others
+            self.res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        self.res.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 2)
+        print(f"[{name}] {time.perf_counter() - t0:.1f}s: {json.dumps(self.res[name], default=str)[:800]}", flush=True)
+        self.save()
+
+    # ---- sections ----------------------------------------------------------------------------------
+    def env(self):
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        except Exception:
+            commit = ""
+        info = {"commit": commit or "unknown", "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                "torch": torch.__version__, "python": sys.version.split()[0],
+                "device": torch.cuda.get_device_name() if self.cuda else "cpu",
+                "quantizer": "triton" if self.triton_ok else "reference"}
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+        return info
+
+    def bandwidth(self):
+        m, w = self.m, self.widths[0]
+        src = torch.randn(m, w, device=self.dev, dtype=self.dtype)
+        dst = torch.empty_like(src)
+        copy_ms = self.time_ms(lambda: dst.copy_(src))
+        copy_bytes = 2 * src.numel() * src.element_size()
+        out = {"copy_bytes": copy_bytes, "copy_ms": copy_ms, "copy_GBps": copy_bytes / copy_ms / 1e6}
+        data, scales, _ = mxfp8_buffers(m, self.widths, 1, device=self.dev)
+        q_bytes = m * w * (src.element_size() + 1) + m * w // MX_BLOCK
+        out["quantize_bytes"] = q_bytes
+        col0 = self.k - w  # the last slice of the assembled buffer (row stride = total width)
+        if not self.triton_ok:
+            ms = self.time_ms(lambda: quantize_mxfp8_into(src, data, scales, col0))
+            out["reference"] = {"ms": ms, "GBps": q_bytes / ms / 1e6, "fraction_of_copy": copy_ms / ms}
+            return out
+        configs = [(16, 8, 4), (8, 16, 4), (32, 4, 4), (16, 16, 8), (4, 32, 4), (32, 8, 8)]
+        if self.args.smoke:
+            configs = configs[:1]
+        roundings = ["native", "bits"] if self.cuda else ["bits"]
+        rows = []
+        for rounding in roundings:
+            for bm, gr, nw in configs:
+                fn = lambda: self.qtri(src, data, scales, col0, rounding=rounding, block_m=bm, groups=gr, num_warps=nw)  # noqa: E731
+                ms = self.time_ms(fn)
+                rows.append({"rounding": rounding, "block_m": bm, "groups": gr, "num_warps": nw, "ms": ms,
+                             "GBps": q_bytes / ms / 1e6, "fraction_of_copy": (q_bytes / ms) / (copy_bytes / copy_ms)})
+        out["configs"] = rows
+        out["default"] = rows[0]
+        out["best"] = max(rows, key=lambda r: r["fraction_of_copy"])
+        return out
+
+    def bitwise(self):
+        out = {}
+        taps = self.taps(seed=1)
+        taps[0][1, 5] = float("nan")
+        taps[1][2, 64] = float("inf")
+        taps[2][3, :32] = 0.0
+        taps[3][4, :3] = torch.tensor([2.0 ** -127, 2.0 ** -133, -(2.0 ** -130)], device=self.dev, dtype=self.dtype)
+        w = self.weight()
+        # reference vs Triton bytes, per tap and on the concatenation
+        if self.triton_ok:
+            cat = torch.cat(taps, dim=-1)
+            d_ref, s_ref, _ = mxfp8_buffers(self.m, self.widths, 1, device=self.dev)
+            quantize_mxfp8_into(cat, d_ref, s_ref, 0)
+            for rounding in (["native", "bits"] if self.cuda else ["bits"]):
+                d, s, _ = mxfp8_buffers(self.m, self.widths, 1, device=self.dev)
+                self.qtri(cat, d, s, 0, rounding=rounding)
+                out[f"triton_{rounding}_eq_reference"] = bool(torch.equal(d, d_ref) and torch.equal(s, s_ref))
+            del cat
+            # every positive finite bf16 as a block amax, random block contents below it
+            bits = torch.arange(1, 0x7F80, dtype=torch.int32, device=self.dev)
+            vals = (bits << 16).view(torch.float32)
+            x = (torch.rand(vals.numel(), 32, device=self.dev) * 2 - 1) * vals[:, None]  # |x| <= amax
+            x[:, 0] = vals
+            x = x.to(torch.bfloat16)
+            dr, sr = torch.empty(x.shape, dtype=torch.uint8, device=self.dev), torch.empty(x.shape[0], 1, dtype=torch.uint8, device=self.dev)
+            quantize_mxfp8_into(x, dr, sr, 0)
+            for rounding in (["native", "bits"] if self.cuda else ["bits"]):
+                dt, st = torch.empty_like(dr), torch.empty_like(sr)
+                self.qtri(x, dt, st, 0, rounding=rounding)
+                out[f"all_bf16_amax_triton_{rounding}_eq_reference"] = bool(torch.equal(dt, dr) and torch.equal(st, sr))
+        # staged vs concat, same quantizer
+        ds, ss, os_ = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
+        dc, sc, oc = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
+        acc = StagedDrafterInput(self.widths, w, ds, ss, os_, self.m, row_chunk=self.row_chunk, quantize_fn=self.quantize)
+        for i, t in enumerate(taps):
+            acc.add(i, t)
+        ys = acc.finalize()
+        yc = concat_then_quantize(taps, w, dc, sc, oc, row_chunk=self.row_chunk, quantize_fn=self.quantize)
+        out["staged_eq_concat_data"] = bool(torch.equal(ds, dc))
+        out["staged_eq_concat_scales"] = bool(torch.equal(ss, sc))
+        out["staged_eq_concat_output"] = bits_equal(ys, yc)
+        # determinism: a second staged run
+        acc.reset()
+        for i, t in enumerate(taps):
+            acc.add(i, t)
+        out["staged_deterministic"] = bits_equal(acc.finalize(), yc)
+        out["all_equal"] = all(v for v in out.values() if isinstance(v, bool))
+        return out
+
+    def _step(self, staged: bool, w: torch.Tensor, row_chunk: int):
+        """One step as the engine runs it: buffers, taps produced one by one, quantize, project."""
+        data, scales, out = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
+        g = torch.Generator(device=self.dev).manual_seed(5)
+        if staged:
+            acc = StagedDrafterInput(self.widths, w, data, scales, out, self.m, row_chunk=row_chunk,
+                                     quantize_fn=self.quantize)
+            for i, width in enumerate(self.widths):
+                h = torch.randn(self.m, width, generator=g, device=self.dev, dtype=self.dtype)
+                acc.add(i, h)
+                del h
+            y = acc.finalize()
+        else:
+            taps = [torch.randn(self.m, width, generator=g, device=self.dev, dtype=self.dtype) for width in self.widths]
+            y = concat_then_quantize(taps, w, data, scales, out, row_chunk=row_chunk, quantize_fn=self.quantize)
+            del taps
+        return y
+
+    def memory(self):
+        w = self.weight()
+        res = {"reference_staged_bytes": REF_STAGED_BYTES, "reference_concat_bytes": REF_CONCAT_BYTES,
+               "reference_ratio": REF_STAGED_BYTES / REF_CONCAT_BYTES, "weight_bytes": w.numel() * w.element_size()}
+        for name, staged in (("concat", False), ("staged", True)):
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                y = self._step(staged, w, self.row_chunk)
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated()
+                res[name] = {"peak_allocated_bytes": peak, "step_peak_bytes": peak - base, "baseline_bytes": base}
+                del y
+            else:
+                with torch.no_grad(), LiveTensorBytes() as mem:
+                    y = self._step(staged, w, self.row_chunk)
+                    del y
+                res[name] = {"step_peak_bytes": mem.peak, "tracker": "LiveTensorBytes"}
+        res["step_ratio"] = res["staged"]["step_peak_bytes"] / res["concat"]["step_peak_bytes"]
+        if self.cuda:
+            res["absolute_ratio"] = res["staged"]["peak_allocated_bytes"] / res["concat"]["peak_allocated_bytes"]
+        res["goal_step_ratio_le"] = 0.50
+        res["scratch_bytes"] = self.row_chunk * self.k * 2
+        return res
+
+    def timing(self):
+        w = self.weight()
+        taps = self.taps(seed=2)
+        ds, ss, os_ = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
+        dc, sc, oc = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
+        res = {}
+        for rc in sorted({self.row_chunk, min(self.m, 2 * self.row_chunk), max(1, self.row_chunk // 2)}):
+            scratch = torch.empty(rc, self.k, device=self.dev, dtype=self.dtype)
+            acc = StagedDrafterInput(self.widths, w, ds, ss, os_, self.m, row_chunk=rc, quantize_fn=self.quantize,
+                                     scratch=scratch)
+
+            def staged():
+                acc.reset()
+                for i, t in enumerate(taps):
+                    acc.add(i, t)
+                return acc.finalize()
+
+            def concat():
+                return concat_then_quantize(taps, w, dc, sc, oc, row_chunk=rc, quantize_fn=self.quantize)
+
+            def staged_quant():
+                for i, t in enumerate(taps):
+                    self.quantize(t, ds, ss, acc.col_offsets[i])
+
+            def concat_quant():
+                self.quantize(torch.cat(taps, dim=-1), dc, sc, 0)
+
+            def gemm_only():
+                project_mxfp8(ds, ss, w, os_, rc, scratch)
+
+            r = {"staged_ms": self.time_ms(staged), "concat_ms": self.time_ms(concat),
+                 "staged_quantize_ms": self.time_ms(staged_quant), "concat_quantize_ms": self.time_ms(concat_quant),
+                 "project_ms": self.time_ms(gemm_only)}
+            r["ratio_staged_over_concat"] = r["staged_ms"] / r["concat_ms"]
+            r["project_TFLOPs"] = 2 * self.m * self.k * self.n / (r["project_ms"] * 1e-3) / 1e12
+            res[f"row_chunk_{rc}"] = r
+            del scratch
+        # the plain bf16 GEMM on the concatenated bf16 input (no MX), for scale
+        cat = torch.cat(taps, dim=-1)
+        out = torch.empty(self.m, self.n, device=self.dev, dtype=self.dtype)
+        res["bf16_gemm_ms"] = self.time_ms(lambda: torch.mm(cat, w.t(), out=out))
+        res["default"] = res[f"row_chunk_{self.row_chunk}"]
+        res["goal_ratio_le"] = 1.00
+        return res
+
+    def compiled(self):
+        w = self.weight()
+        taps = self.taps(seed=3)
+        data, scales, out = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
+        acc = StagedDrafterInput(self.widths, w, data, scales, out, self.m, row_chunk=self.row_chunk,
+                                 quantize_fn=self.quantize)
+
+        def step(*ts):
+            acc.reset()
+            for i, t in enumerate(ts):
+                acc.add(i, t)
+            return acc.finalize()
+
+        backend = "aot_eager" if (self.args.smoke and not self.cuda) else "inductor"
+        res = {"backend": backend, "fullgraph": True}
+        quantizers = [("triton", self.qtri)] if self.triton_ok else []
+        quantizers.append(("reference", quantize_mxfp8_into))
+        for qname, qfn in quantizers:
+            acc.quantize_fn = qfn
+            try:
+                eager = step(*taps).clone()
+                torch._dynamo.reset()
+                t0 = time.perf_counter()
+                fn = torch.compile(step, fullgraph=True, backend=backend)
+                got = fn(*taps).clone()
+                self.sync()
+                compile_s = time.perf_counter() - t0
+                taps2 = self.taps(seed=4)
+                got2 = fn(*taps2).clone()
+                eager2 = step(*taps2).clone()
+                res[qname] = {"compile_s": compile_s, "bitwise_equal_eager": bits_equal(got, eager),
+                              "bitwise_equal_eager_new_inputs": bits_equal(got2, eager2)}
+            except Exception as e:
+                res[qname] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+        return res
+
+    def cuda_graph(self):
+        if not self.cuda:
+            return {"skipped": "no CUDA device"}
+        w = self.weight()
+        static_taps = self.taps(seed=6)
+        data, scales, out = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
+        scratch = torch.empty(self.row_chunk, self.k, device=self.dev, dtype=self.dtype)
+        acc = StagedDrafterInput(self.widths, w, data, scales, out, self.m, row_chunk=self.row_chunk,
+                                 quantize_fn=self.quantize, scratch=scratch)
+
+        def step():
+            acc.reset()
+            for i, t in enumerate(static_taps):
+                acc.add(i, t)
+            return acc.finalize()
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y_static = step()
+        res = {}
+        for trial, seed in enumerate((7, 8)):
+            new = self.taps(seed=seed)
+            for t, n in zip(static_taps, new):
+                t.copy_(n)
+            g.replay()
+            torch.cuda.synchronize()
+            replayed = y_static.clone()
+            eager = step().clone()
+            res[f"replay_{trial}_bitwise_equal_eager"] = bits_equal(replayed, eager)
+        res["replay_ms"] = self.time_ms(g.replay)
+        res["eager_ms"] = self.time_ms(step)
+        return res
+
+    # ---- report -------------------------------------------------------------------------------------
+    def markdown(self) -> str:
+        r = self.res
+        env = r.get("env", {})
+        lines = [f"# Staged MXFP8 drafter input vs concatenate-then-quantize",
+                 "",
+                 f"device: {env.get('device')}; torch {env.get('torch')}; triton {env.get('triton')}; "
+                 f"commit {env.get('commit')}; quantizer {env.get('quantizer')}",
+                 f"command: `{env.get('command')}`",
+                 f"shape: M={self.m}, taps {self.widths}, N={self.n}, bf16, row_chunk {self.row_chunk}",
+                 "", "| metric | staged | concat | staged/concat | goal | reference (production) |",
+                 "|---|---|---|---|---|---|"]
+        mem = r.get("memory", {})
+        if "staged" in mem:
+            lines.append(f"| step peak bytes (above weight) | {mem['staged']['step_peak_bytes']:,} | "
+                         f"{mem['concat']['step_peak_bytes']:,} | {mem['step_ratio']:.3f} | <= 0.50 | "
+                         f"{REF_STAGED_BYTES:,} / {REF_CONCAT_BYTES:,} = {REF_STAGED_BYTES / REF_CONCAT_BYTES:.3f} |")
+            if "absolute_ratio" in mem:
+                lines.append(f"| max_memory_allocated (incl. weight) | {mem['staged']['peak_allocated_bytes']:,} | "
+                             f"{mem['concat']['peak_allocated_bytes']:,} | {mem['absolute_ratio']:.3f} | | |")
+        tim = r.get("timing", {})
+        if "default" in tim:
+            d = tim["default"]
+            lines.append(f"| projection time, quantize all taps + GEMM (ms) | {d['staged_ms']:.3f} | {d['concat_ms']:.3f} | "
+                         f"{d['ratio_staged_over_concat']:.3f} | <= 1.00 | |")
+            lines.append(f"| quantize only (ms) | {d['staged_quantize_ms']:.3f} | {d['concat_quantize_ms']:.3f} | "
+                         f"{d['staged_quantize_ms'] / d['concat_quantize_ms']:.3f} | | spec: 0.175 / 0.324 |")
+            lines.append(f"| dequant + GEMM (ms, TFLOP/s) | {d['project_ms']:.3f} ({d['project_TFLOPs']:.0f}) | "
+                         f"plain bf16 GEMM {tim['bf16_gemm_ms']:.3f} | | | spec: 0.148 + 3.04 |")
+        bw = r.get("bandwidth", {})
+        if "copy_GBps" in bw:
+            lines.append("")
+            lines.append(f"copy bandwidth (same run): {bw['copy_GBps']:.0f} GB/s ({bw['copy_bytes']:,} B in {bw['copy_ms'] * 1e3:.1f} µs)")
+            lines.append("")
+            lines.append("| quantizer (one slice) | µs | GB/s | fraction of copy BW (goal >= 0.90) |")
+            lines.append("|---|---|---|---|")
+            for row in bw.get("configs", []):
+                lines.append(f"| {row['rounding']} BLOCK_M={row['block_m']} GROUPS={row['groups']} warps={row['num_warps']} | "
+                             f"{row['ms'] * 1e3:.1f} | {row['GBps']:.0f} | {row['fraction_of_copy']:.3f} |")
+            if "reference" in bw:
+                ref = bw["reference"]
+                lines.append(f"| reference (torch) | {ref['ms'] * 1e3:.1f} | {ref['GBps']:.1f} | {ref['fraction_of_copy']:.3f} |")
+        lines.append("")
+        for name in ("bitwise", "compiled", "cuda_graph"):
+            if name in r:
+                lines.append(f"- **{name}**: " + ", ".join(f"{k}={v}" for k, v in r[name].items() if k != "traceback"))
+        return "\n".join(lines) + "\n"
+
+    def run(self):
+        self.section("env", self.env)
+        self.section("bitwise", self.bitwise)
+        self.section("memory", self.memory)
+        self.section("bandwidth", self.bandwidth)
+        self.section("timing", self.timing)
+        self.section("cuda_graph", self.cuda_graph)
+        if not self.args.no_compile:
+            self.section("compiled", self.compiled)
+        print(self.markdown())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory for mxfp8_staged.json / .md")
+    p.add_argument("--smoke", action="store_true", help="tiny shape (M=64, 6 x 256, N=256); runs on the CPU")
+    p.add_argument("--cpu", action="store_true", help="force the CPU even if CUDA is available")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--taps", type=int, default=6)
+    p.add_argument("--width", type=int, default=7168)
+    p.add_argument("--row-chunk", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile section")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        Bench(args).run()
+
+
+if __name__ == "__main__":
+    main()

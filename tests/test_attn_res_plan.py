@@ -136,7 +136,8 @@ def test_other_schedules(num_layers, bs):
 
 def test_checker_accepts_only_plans_that_keep_outputs():
     """Every single-value re-pin of the (7 layers, block 3) plan: a plan the checker accepts is bitwise
-    equal to separate allocation; every plan that changes any output or bank element is rejected."""
+    equal to separate allocation (the checker is sound). It is conservative on purpose: a mixer writing
+    over its own source is rejected even though the reference mixer happens to read all sources first."""
     L, bs, T, H = 7, 3, 4, 16
     sched, plan = attn_res_plan(L, bs)
     sub = RandomSublayers(L, H, torch.float32, "cpu", seed=7)

@@ -107,6 +107,31 @@ def _time(fn, device, iters):
     return (time.perf_counter() - t0) / iters
 
 
+def _cuda_graph(sched, plan, x, sub, iters) -> dict:
+    """Capture the planned forward (pool allocated inside the capture, so addresses are static) and
+    compare a replay bitwise with eager separate allocation; never raises (a failure is recorded)."""
+    try:
+        ref = run_harness(sched, plan, x, sub, reuse=False)
+        static_x = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run_harness(sched, plan, static_x, sub, reuse=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run_harness(sched, plan, static_x, sub, reuse=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        diff = int((out.y != ref.y).sum()) + sum(int((a != b).sum()) for a, b in zip(out.bank, ref.bank))
+        seconds = _time(graph.replay, "cuda", iters)
+        del graph, out, ref
+        return {"cuda_graph_elements_differing": diff, "cuda_graph_bitwise_equal": diff == 0,
+                "seconds_per_forward_cuda_graph": seconds}
+    except Exception as e:  # noqa: BLE001 - recorded, the rest of the benchmark still runs
+        return {"cuda_graph_error": f"{type(e).__name__}: {e}"}
+
+
 def _commit():
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
@@ -178,6 +203,10 @@ def bench(T: int, H: int, num_layers: int, block_size: int, dtype: torch.dtype, 
     if res["peak_bytes_reuse_on"] is not None:
         res["peak_saving_bytes"] = res["peak_bytes_reuse_off"] - res["peak_bytes_reuse_on"]
         res["peak_saving_rows"] = res["peak_saving_bytes"] / res["row_bytes"]
+    # Last (a failed capture must not spoil the measurements above): the plan under a CUDA graph,
+    # captured once, a replay compared bitwise with eager separate allocation.
+    if torch.device(device).type == "cuda":
+        res.update(_cuda_graph(sched, plan, x, sub, iters))
     return res
 
 
@@ -206,10 +235,21 @@ def markdown(res: dict, command: str, commit: str) -> str:
               f"matmuls alone take {res['seconds_sublayer_matmuls_alone'] * 1e3:.1f} ms "
               f"({res['sublayer_matmul_share_of_forward']:.0%} of a forward, {res['matmul_tflops_alone']:.0f} TFLOP/s); "
               f"the rest is the reference mixer and elementwise ops",
+              _graph_line(res),
               f"- production-bug plan forced through: {res['bug_output_elements_changed']:,} of "
               f"{res['output_elements']:,} output elements and {res['bug_bank_elements_changed']:,} bank elements "
               f"changed; checker: `{res['bug_plan_rejected']}`", ""]
     return "\n".join(lines)
+
+
+def _graph_line(res: dict) -> str:
+    if "cuda_graph_error" in res:
+        return f"- CUDA graph capture of the planned forward failed: `{res['cuda_graph_error']}`"
+    if "cuda_graph_bitwise_equal" not in res:
+        return "- CUDA graph: not run (CPU)"
+    return (f"- planned forward captured in a CUDA graph: replay bitwise equal to eager separate allocation: "
+            f"{res['cuda_graph_bitwise_equal']} ({res['cuda_graph_elements_differing']:,} elements differ); "
+            f"{res['seconds_per_forward_cuda_graph'] * 1e3:.2f} ms per replay")
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,9 @@ from longflash.runner.context import get_forward_context
 class GQAAttention(nn.Module):
     """``q_proj``/``k_proj``/``v_proj``/``o_proj`` (+ optional ``q_norm``/``k_norm``) attention.
 
-    ``kv_cache`` (set by the runner): [2, num_blocks, block_size, num_kv_heads, head_dim].
+    ``kv_cache`` (set by the runner): [2, num_blocks, block_size, num_kv_heads, head_dim], model
+    dtype, bf16 or fp8 (one ``k_scale`` for K and V; ``calculate_kv_scales`` sets it on the first
+    forward to amax / 200 and freezes it).
     forward: hidden [T, H] -> [T, H] (reads the forward context).
     """
 
@@ -34,7 +36,9 @@ class GQAAttention(nn.Module):
         self.rotary = rotary
         self.scale = head_dim ** -0.5
         self.kv_cache: torch.Tensor | None = None
-        self.k_scale: float = 1.0
+        self.k_scale: float = 1.0  # fp8 dequantization multiplier shared by the K and V caches
+        self.k_scale_source: str = "default"
+        self.calculate_kv_scales: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -46,7 +50,13 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(ctx.positions, q.dtype)
         q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
-        scale = self.k_scale if self.kv_cache.dtype == ops.FP8_DTYPE else None
+        fp8 = self.kv_cache.dtype == ops.FP8_DTYPE
+        if self.calculate_kv_scales and fp8:
+            amax = float(torch.maximum(k.abs().max(), v.abs().max())) if T else 0.0
+            self.k_scale = amax / 200.0 if amax > 0 else 1.0
+            self.k_scale_source = "calculated"
+            self.calculate_kv_scales = False  # frozen from now on
+        scale = self.k_scale if fp8 else None
         ops.reshape_and_cache(k, v, self.kv_cache[0], self.kv_cache[1], ctx.slot_mapping, scale, scale)
         o = ops.paged_gqa_attention(q, self.kv_cache[0], self.kv_cache[1], ctx.block_table,
                                     ctx.query_start_loc_cpu, ctx.seq_lens_cpu, self.scale, scale, scale)

@@ -81,6 +81,33 @@ def build_model(config: dict, dtype: torch.dtype, device: torch.device) -> Causa
     return model.to_empty(device=device)
 
 
+KV_SCALE_SUFFIXES = (".k_scale", ".kv_scale")
+
+
+def load_kv_scale(model: CausalLM, ckpt_name: str, tensor: torch.Tensor) -> bool:
+    """Set the fp8 KV ``k_scale`` of the attention module named by a checkpoint's ``*.k_scale`` (or
+    older ``*.kv_scale``) tensor, e.g. ``model.layers.3.self_attn.k_scale`` (also ``…self_attn.attn.k_scale``).
+
+    A multi-element scale is reduced to its max (one scale per layer row). Returns False when no
+    attention module matches (the caller reports it as an unused tensor).
+    """
+    name = model.remap_checkpoint_name(ckpt_name)
+    if name is None:
+        return True
+    parts = name.split(".")[:-1]
+    while parts:
+        try:
+            module = model.get_submodule(".".join(parts))
+        except AttributeError:
+            module = None
+        if module is not None and hasattr(module, "kv_cache") and hasattr(module, "k_scale"):
+            module.k_scale = float(tensor.float().max())
+            module.k_scale_source = "checkpoint"
+            return True
+        parts.pop()
+    return False
+
+
 def _load_into_sink(sinks: dict, name: str, ckpt_name: str, tensor: torch.Tensor) -> bool:
     """Hand ``tensor`` to the innermost sink module whose name prefixes ``name``; False if none does."""
     parts = name.split(".")
@@ -109,6 +136,10 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
     loaded: set[str] = set()
     unexpected: list[str] = []
     for ckpt_name, tensor in tensors:
+        if ckpt_name.endswith(KV_SCALE_SUFFIXES):
+            if not load_kv_scale(model, ckpt_name, tensor):
+                unexpected.append(ckpt_name)
+            continue
         name = model.remap_checkpoint_name(ckpt_name)
         if name is None:
             continue

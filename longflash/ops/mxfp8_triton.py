@@ -12,6 +12,9 @@ E4M3 rounding has two implementations, selected by ``rounding``:
   * ``"native"``: the hardware cast (``cvt.rn.satfinite`` on sm90) after clamping to ±448.
   Default: ``"bits"`` under the interpreter, ``"native"`` on a GPU. Both give the reference's bytes.
 
+Subnormal inputs: the kernel uses plain fp32 multiplies (no libdevice), which Triton's NVIDIA
+backend compiles without flush-to-zero, so bf16/fp32 subnormals scale exactly as in the reference.
+
 Triton is imported lazily, so the package imports on installs without it.
 """
 from __future__ import annotations

@@ -22,15 +22,16 @@ FP32_REL = 1e-5
 def _experts(E, D, I, activation, seed=0, device="cpu"):
     from longflash.layers.activation import silu_and_mul, situ_and_mul
     from longflash.layers.mxfp4 import MXFP4Experts, quantize_mxfp4
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     act = situ_and_mul if activation == "situ" else silu_and_mul
-    ex = MXFP4Experts(E, D, I, act, activation, (4.0, 25.0) if activation == "situ" else ())
-    for e in range(E):
-        p, s = quantize_mxfp4(torch.randn(2 * I, D, generator=g) * 0.5)
+    with torch.device(device):
+        ex = MXFP4Experts(E, D, I, act, activation, (4.0, 25.0) if activation == "situ" else ())
+    for e in range(E):  # quantized where they live (the GPU test's K3-sized experts too)
+        p, s = quantize_mxfp4(torch.randn(2 * I, D, generator=g, device=device) * 0.5)
         ex.w13_weight_packed[e], ex.w13_weight_scale[e] = p, s
-        p, s = quantize_mxfp4(torch.randn(D, I, generator=g) * 0.5)
+        p, s = quantize_mxfp4(torch.randn(D, I, generator=g, device=device) * 0.5)
         ex.w2_weight_packed[e], ex.w2_weight_scale[e] = p, s
-    return ex.to(device)
+    return ex
 
 
 def _routing(T, E, k, seed=0, device="cpu"):
@@ -117,8 +118,9 @@ def test_interpreter_kernel_equals_reference(interp):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dot_scaled", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 300])
-def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T):
+def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T, dot_scaled):
     """Lt 3584, Im 3072, top-16 (of 32 experts in memory, to keep the test small), bf16 activations."""
     from longflash.layers.mxfp4 import run_mxfp4_experts
     from longflash.layers.mxfp4_moe_triton import run_mxfp4_experts_triton
@@ -127,9 +129,10 @@ def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T):
     w, ids = _routing(T, E, k, seed=T, device="cuda")
     x = (torch.randn(T, D, generator=torch.Generator().manual_seed(T)) * 0.05).to("cuda", torch.bfloat16)
     ref = run_mxfp4_experts(x.float(), ex, w, ids)  # fp32 reference of the same bf16 inputs
-    got = run_mxfp4_experts_triton(x, ex, w, ids)
+    got = run_mxfp4_experts_triton(x, ex, w, ids, {"dot_scaled": dot_scaled})
     assert _rel(got, ref) <= 2e-2  # bf16 rounding of x·W and of the activation (the kernel accumulates in fp32)
-    assert _rel(run_mxfp4_experts_triton(x.float(), ex, w, ids), ref) <= 1e-4
+    if not dot_scaled:
+        assert _rel(run_mxfp4_experts_triton(x.float(), ex, w, ids), ref) <= 1e-4
 
 
 if __name__ == "__main__":

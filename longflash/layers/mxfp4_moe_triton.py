@@ -31,17 +31,44 @@ _ACT_CODES = {"silu": 0, "situ": 1}
 
 
 @triton.jit
+def _e8m0_to_fp32(s):
+    """int32 E8M0 bytes -> fp32 2^(s-127); byte 0 is the subnormal 2^-127, 0xFF is NaN (integer ops only)."""
+    bits = tl.where(s == 0, 0x00400000, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_fp32(mag, sign_bit):
+    """mag: int32 low 3 bits of E2M1 codes, sign_bit: int32 0 or 0x80000000 -> fp32 value.
+
+    For mag >= 2 the fp32 bits are ``(mag << 22) + (126 << 23)`` (exponent e + 126, mantissa bit m);
+    mag 1 is 0.5 (``126 << 23``) and mag 0 is 0 -- i.e. ``mag * (126 << 23)`` for mag < 2.
+    """
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), mag * (126 << 23))
+    return (bits | sign_bit).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp4_decode(q, s):
     """q: int32 E2M1 codes (0..15), s: int32 E8M0 bytes (broadcast to q) -> fp32 q * 2^(s-127)."""
-    idx = q & 7
-    e = idx >> 1
-    m = idx & 1
-    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
-    bits = bits | ((q & 8) << 28)
-    v = bits.to(tl.float32, bitcast=True)
-    sbits = tl.where(s == 0, 0x00400000, s << 23)
-    sbits = tl.where(s == 255, 0x7FC00000, sbits)
-    return v * sbits.to(tl.float32, bitcast=True)
+    return _e2m1_to_fp32(q & 7, (q & 8) << 28) * _e8m0_to_fp32(s)
+
+
+@triton.jit
+def _mxfp4_group_dot(acc, a_even, a_odd, w_ptrs, w_mask, s_ptrs, s_mask, DOT_PRECISION: tl.constexpr):
+    """acc += a[:, 32 columns] @ W[32 columns, :] for one MXFP4 group (16 packed bytes per column).
+
+    a_even/a_odd [BM, 16]: the even/odd input columns; w_ptrs [16, BN] packed bytes; s_ptrs [1, BN] the
+    group's scale bytes. The scale is decoded once per column, the codes with ~10 integer ops each.
+    """
+    q = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
+    sc = _e8m0_to_fp32(tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32))
+    dt = a_even.dtype
+    w_lo = _e2m1_to_fp32(q & 7, (q & 0x08) << 28) * sc           # low nibble: element 2k
+    acc = tl.dot(a_even, w_lo.to(dt), acc, input_precision=DOT_PRECISION)
+    w_hi = _e2m1_to_fp32((q >> 4) & 7, (q & 0x80) << 24) * sc    # high nibble: element 2k+1
+    return tl.dot(a_odd, w_hi.to(dt), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -64,6 +91,7 @@ def _mxfp4_moe_gemm_kernel(
     beta, linear_beta,
     K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr,
 ):
     """out[r, n] = f(sum_k A[r // a_row_div, k] * W[e, n, k]) for the rows r of this block's expert e.
 
@@ -84,29 +112,49 @@ def _mxfp4_moe_gemm_kernel(
     a_rows = rows // a_row_div
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_j = tl.arange(0, BLOCK_K // 2)  # packed byte columns of this K tile
     dt = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_base = wq_ptr + e64 * stride_we + offs_n[None, :] * stride_wn
-    s_base = ws_ptr + e64 * stride_se + offs_n[None, :] * stride_sn
-    a_base = a_ptr + a_rows[:, None] * stride_am
-    for k0 in range(0, K, BLOCK_K):
-        kj = k0 // 2 + offs_j
-        k_ok = 2 * kj < K
-        a_mask = row_ok[:, None] & k_ok[None, :]
-        a_even = tl.load(a_base + 2 * kj[None, :], mask=a_mask, other=0.0)
-        a_odd = tl.load(a_base + 2 * kj[None, :] + 1, mask=a_mask, other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        q = tl.load(w_base + kj[:, None], mask=w_mask, other=0).to(tl.int32)        # [BK/2, BN]
-        s = tl.load(s_base + (kj // 16)[:, None], mask=w_mask, other=127).to(tl.int32)
-        acc = tl.dot(a_even, _mxfp4_decode(q & 15, s).to(dt), acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(a_odd, _mxfp4_decode(q >> 4, s).to(dt), acc, input_precision=DOT_PRECISION)
-        if GATED:
-            qu = tl.load(w_base + N * stride_wn + kj[:, None], mask=w_mask, other=0).to(tl.int32)
-            su = tl.load(s_base + N * stride_sn + (kj // 16)[:, None], mask=w_mask, other=127).to(tl.int32)
-            acc_up = tl.dot(a_even, _mxfp4_decode(qu & 15, su).to(dt), acc_up, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a_odd, _mxfp4_decode(qu >> 4, su).to(dt), acc_up, input_precision=DOT_PRECISION)
+    w_base = wq_ptr + e64 * stride_we + offs_n[None, :] * stride_wn      # [1, BN]
+    a_base = a_ptr + a_rows[:, None] * stride_am                        # [BM, 1]
+    if DOT_SCALED:
+        # tl.dot_scaled (GPU only; the interpreter lacks it): Triton upcasts the e2m1 tile itself.
+        # NOTE: its E8M0 decode maps byte 0 to 0, not 2^-127 (weights below 6 * 2^-127 either way).
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        s_base_t = ws_ptr + e64 * stride_se + offs_n[:, None] * stride_sn   # [BN, 1]
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_base + k0 + offs_k[None, :], mask=row_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+            kj = k0 // 2 + offs_j
+            w_mask = (2 * kj < K)[:, None] & n_ok[None, :]
+            sg = k0 // 32 + offs_g
+            s_mask = n_ok[:, None] & (32 * sg < K)[None, :]
+            q = tl.load(w_base + kj[:, None], mask=w_mask, other=0)
+            sc = tl.load(s_base_t + sg[None, :], mask=s_mask, other=127)
+            acc = tl.dot_scaled(a, None, A_FORMAT, q, sc, "e2m1", acc)
+            if GATED:
+                q = tl.load(w_base + N * stride_wn + kj[:, None], mask=w_mask, other=0)
+                sc = tl.load(s_base_t + N * stride_sn + sg[None, :], mask=s_mask, other=127)
+                acc_up = tl.dot_scaled(a, None, A_FORMAT, q, sc, "e2m1", acc_up)
+    else:
+        offs_j = tl.arange(0, 16)  # the 16 packed bytes of one 32-column group
+        s_base = ws_ptr + e64 * stride_se + offs_n[None, :] * stride_sn     # [1, BN]
+        for k0 in range(0, K, BLOCK_K):
+            for g in tl.static_range(BLOCK_K // 32):
+                kg = k0 + 32 * g
+                kj = kg // 2 + offs_j
+                k_ok = kg < K
+                a_mask = row_ok[:, None] & k_ok
+                a_even = tl.load(a_base + 2 * kj[None, :], mask=a_mask, other=0.0)
+                a_odd = tl.load(a_base + 2 * kj[None, :] + 1, mask=a_mask, other=0.0)
+                w_mask = n_ok[None, :] & k_ok
+                s_mask = n_ok[None, :] & k_ok
+                acc = _mxfp4_group_dot(acc, a_even, a_odd, w_base + kj[:, None], w_mask, s_base + kg // 32, s_mask,
+                                       DOT_PRECISION)
+                if GATED:
+                    acc_up = _mxfp4_group_dot(acc_up, a_even, a_odd, w_base + N * stride_wn + kj[:, None], w_mask,
+                                              s_base + N * stride_sn + kg // 32, s_mask, DOT_PRECISION)
     if GATED:
         # The reference rounds gate/up to the activation dtype before the activation; so do we.
         g = acc.to(dt).to(tl.float32)
@@ -155,10 +203,10 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
     rows = num_tokens * top_k
     per_expert = rows / max(1, min(rows, num_experts))
     if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, dot_scaled=False)
     if per_expert <= 48:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, dot_scaled=False)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, dot_scaled=False)
 
 
 def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weights: torch.Tensor,
@@ -166,7 +214,10 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
     """Grouped W4A16 MoE: x [T, D] (bf16/fp16/fp32), topk_weights [T, k], topk_ids [T, k] -> [T, D] in x's dtype.
 
     ``config`` overrides the tile sizes of ``default_config`` (keys BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-    num_stages). Raises ValueError for a shape that does not match ``experts`` or an unknown activation.
+    num_stages) and may set ``dot_scaled=True``: let ``tl.dot_scaled`` upcast the weights instead of the
+    in-register decode (CUDA, bf16/fp16 activations only; not runnable under the interpreter, and it decodes
+    scale byte 0 as 0 instead of 2^-127). Raises ValueError for a shape that does not match ``experts``, an
+    unknown activation, or dot_scaled with fp32 activations.
     """
     T, D = x.shape
     I, E = experts.intermediate_size, experts.num_experts
@@ -179,6 +230,12 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
     k = topk_ids.shape[1]
     cfg = dict(default_config(T, k, E), **(config or {}))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if bk % 32:
+        raise ValueError(f"BLOCK_K must be a multiple of 32 (one MXFP4 scale group), got {bk}")
+    dot_scaled = bool(cfg.get("dot_scaled", False))
+    a_format = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype)
+    if dot_scaled and a_format is None:
+        raise ValueError(f"dot_scaled needs bf16 or fp16 activations, got {x.dtype}")
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     x = x.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, E, bm)
@@ -194,7 +251,8 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
         float(beta), float(lbeta),
         K=D, GATED=True, ACT=_ACT_CODES[experts.activation], MUL_ROUTED_WEIGHT=False,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
+        DOT_SCALED=dot_scaled, A_FORMAT=a_format or "bf16", **launch)
     y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     w2, s2 = experts.w2_weight_packed, experts.w2_weight_scale
     _mxfp4_moe_gemm_kernel[(block_expert.numel(), triton.cdiv(D, bn))](
@@ -203,5 +261,6 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
         inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         1.0, 1.0,
         K=I, GATED=False, ACT=0, MUL_ROUTED_WEIGHT=True,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
+        DOT_SCALED=dot_scaled, A_FORMAT=a_format or "bf16", **launch)
     return y.view(T, k, D).float().sum(1).to(x.dtype)

@@ -59,6 +59,15 @@ def _interpreter_checks() -> dict:
     out["decode_bitwise_equal"] = bool(torch.equal(got.view(torch.int32)[~want.isnan()],
                                                    want.view(torch.int32)[~want.isnan()]))
     out["decode_nan_equal"] = bool(torch.equal(got.isnan(), want.isnan()))
+    # fast path for scale bytes <= 128: every code in the low and in the high nibble
+    codes = torch.arange(16, dtype=torch.uint8).repeat(8)
+    scales = torch.tensor([0, 1, 2, 100, 120, 126, 127, 128], dtype=torch.uint8).repeat_interleave(16)
+    lo, hi = torch.empty(128), torch.empty(128)
+    _decode_small_kernel[(1,)](codes | (((15 - codes) & 15) << 4), scales, lo, hi, N=128)
+    want_lo = e2m1_table()[codes.long()] * e8m0_to_float(scales)
+    want_hi = e2m1_table()[(15 - codes).long()] * e8m0_to_float(scales)
+    out["decode_small_bitwise_equal"] = bool(torch.equal(lo.view(torch.int32), want_lo.view(torch.int32))
+                                             and torch.equal(hi.view(torch.int32), want_hi.view(torch.int32)))
 
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3], [3, 0]])
     sorted_ids, block_expert = moe_align(ids, 5, 4)
@@ -68,7 +77,8 @@ def _interpreter_checks() -> dict:
     errs = {}
     cases = [(0, "situ", None), (1, "situ", None), (5, "situ", None), (33, "situ", None),
              (5, "situ", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)), (33, "silu", dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)),
-             (40, "situ", dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128))]
+             (40, "situ", dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)),
+             (33, "situ", dict(general_decode=True)), (5, "situ", dict(BLOCK_K=64, general_decode=True))]
     E, D, I, k = 5, 96, 64, 2  # D = 3 groups of 32: not a multiple of BLOCK_K 64/128 nor BLOCK_N 64
     for T, act, cfg in cases:
         ex = _experts(E, D, I, act)
@@ -82,6 +92,15 @@ def _interpreter_checks() -> dict:
         else:
             errs[key] = _rel(got, ref)
     out["rel_err"] = errs
+    # scale bytes > 128 (weights ~2^8): the general decode is chosen automatically
+    ex = _experts(E, D, I, "situ")
+    for b in (ex.w13_weight_scale, ex.w2_weight_scale):
+        b += 10
+    ex.reset_scale_stats()
+    out["large_scale_max_byte"] = ex.max_scale_byte("w13")
+    w, ids = _routing(9, E, k, seed=9)
+    x = torch.randn(9, D, generator=torch.Generator().manual_seed(9)) * 1e-6
+    out["large_scale_rel_err"] = _rel(run_mxfp4_experts_triton(x, ex, w, ids), run_mxfp4_experts(x, ex, w, ids))
     # Low-precision activations: fp16 (the interpreter's tl.dot is wrong for bf16 operands, see the
     # module docstring; bf16 is checked on the GPU). Reference in fp32 on the same fp16 inputs.
     ex = _experts(E, D, I, "situ")
@@ -101,6 +120,7 @@ def interp():
 
 def test_interpreter_decode_in_registers_is_exact(interp):
     assert interp["decode_bitwise_equal"] and interp["decode_nan_equal"]
+    assert interp["decode_small_bitwise_equal"]  # the fast path (scale bytes <= 128), subnormal trick included
 
 
 def test_moe_align_sorts_and_pads_per_expert(interp):
@@ -111,10 +131,11 @@ def test_moe_align_sorts_and_pads_per_expert(interp):
 
 
 def test_interpreter_kernel_equals_reference(interp):
-    assert len(interp["rel_err"]) == 7
+    assert len(interp["rel_err"]) == 9
     for case, err in interp["rel_err"].items():
         assert err <= FP32_REL, (case, err)
     assert interp["fp16_rel_err"] <= 3e-3  # fp16 rounding of x·W, the activation and the slot rows
+    assert interp["large_scale_max_byte"] > 128 and interp["large_scale_rel_err"] <= FP32_REL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -139,7 +160,7 @@ if __name__ == "__main__":
     import triton
     import triton.language as tl
 
-    from longflash.layers.mxfp4_moe_triton import _mxfp4_decode
+    from longflash.layers.mxfp4_moe_triton import _hi_nibble_small, _lo_nibble_small, _mxfp4_decode, _small_scale_fp32
 
     @triton.jit
     def _decode_kernel(q_ptr, s_ptr, o_ptr, N: tl.constexpr):
@@ -147,5 +168,13 @@ if __name__ == "__main__":
         q = tl.load(q_ptr + offs).to(tl.int32)
         s = tl.load(s_ptr + offs).to(tl.int32)
         tl.store(o_ptr + offs, _mxfp4_decode(q, s))
+
+    @triton.jit
+    def _decode_small_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        q = tl.load(q_ptr + offs).to(tl.int32)
+        sc = _small_scale_fp32(tl.load(s_ptr + offs).to(tl.int32))
+        tl.store(lo_ptr + offs, _lo_nibble_small(q, sc))
+        tl.store(hi_ptr + offs, _hi_nibble_small(q, sc))
 
     print(json.dumps(_interpreter_checks()))

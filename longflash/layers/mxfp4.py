@@ -186,6 +186,7 @@ class MXFP4Experts(nn.Module):
         self.register_buffer("w2_weight_packed", torch.empty(E, D, I // 2, dtype=torch.uint8))
         self.register_buffer("w2_weight_scale", torch.empty(E, D, I // G, dtype=torch.uint8))
         self._loaded = bytearray(E * 6)  # (expert, proj, packed|scale) -> 1 once copied in
+        self._max_scale: dict[str, int] = {}  # "w13"/"w2" -> largest scale byte (kernel fast path if <= 128)
 
     # -- loading --
     def _target(self, e: int, proj: str, kind: str) -> torch.Tensor:
@@ -216,12 +217,26 @@ class MXFP4Experts(nn.Module):
             raise ValueError(f"has shape {list(tensor.shape)} in the checkpoint, expected {list(dst.shape)}")
         with torch.no_grad():
             dst.copy_(tensor)
+        if kind == "weight_scale":
+            key = "w2" if proj == "down_proj" else "w13"
+            self._max_scale[key] = max(self._max_scale.get(key, 0), int(tensor.max()) if tensor.numel() else 0)
         self._loaded[e * 6 + _PROJ.index(proj) * 2 + (kind == "weight_scale")] = 1
 
     def missing_checkpoint_tensors(self) -> list[str]:
         """Names (relative to this module) never passed to ``load_checkpoint_tensor``."""
         return [f"{i // 6}.{_PROJ[(i % 6) // 2]}.{('weight_packed', 'weight_scale')[i % 2]}"
                 for i, v in enumerate(self._loaded) if not v]
+
+    def max_scale_byte(self, which: str) -> int:
+        """Largest E8M0 byte of ``w13`` or ``w2``: tracked while loading, else computed once from the buffer
+        (a device sync). NOTE: call ``reset_scale_stats()`` after writing the scale buffers directly."""
+        if which not in self._max_scale:
+            buf = self.w13_weight_scale if which == "w13" else self.w2_weight_scale
+            self._max_scale[which] = int(buf.max()) if buf.numel() else 0
+        return self._max_scale[which]
+
+    def reset_scale_stats(self) -> None:
+        self._max_scale = {}
 
     # -- compute --
     def dequantize(self, e: int, proj: str, dtype: torch.dtype) -> torch.Tensor:

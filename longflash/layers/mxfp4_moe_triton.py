@@ -56,18 +56,47 @@ def _mxfp4_decode(q, s):
 
 
 @triton.jit
-def _mxfp4_group_dot(acc, a_even, a_odd, w_ptrs, w_mask, s_ptrs, s_mask, DOT_PRECISION: tl.constexpr):
+def _small_scale_fp32(s):
+    """int32 E8M0 bytes <= 128 -> fp32 2^126 * 2^(s-127) = 2^(s-1) (a normal number)."""
+    return ((s + 126) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _lo_nibble_small(q, sc):
+    """Low-nibble code of the int32 bytes q times sc = 2^(s-1): bits (mag << 22) | sign, then one multiply."""
+    return (((q << 22) & 0x01C00000) | ((q << 28) & (-2147483648))).to(tl.float32, bitcast=True) * sc
+
+
+@triton.jit
+def _hi_nibble_small(q, sc):
+    return (((q << 18) & 0x01C00000) | ((q << 24) & (-2147483648))).to(tl.float32, bitcast=True) * sc
+
+
+@triton.jit
+def _mxfp4_group_dot(acc, a_even, a_odd, w_ptrs, w_mask, s_ptrs, s_mask, DOT_PRECISION: tl.constexpr,
+                     SMALL_SCALES: tl.constexpr):
     """acc += a[:, 32 columns] @ W[32 columns, :] for one MXFP4 group (16 packed bytes per column).
 
     a_even/a_odd [BM, 16]: the even/odd input columns; w_ptrs [16, BN] packed bytes; s_ptrs [1, BN] the
-    group's scale bytes. The scale is decoded once per column, the codes with ~10 integer ops each.
+    group's scale bytes (decoded once per column).
+    SMALL_SCALES (every scale byte <= 128, checked by the caller): the code's bits go straight into an
+    fp32 exponent/mantissa, ``bits = (mag << 22) | sign`` -- i.e. ``2^-126 * (e ? 2^(e-1)(1+m/2) : m/2)``,
+    a subnormal for e = 0 -- and one multiply by ``2^126 * scale = 2^(s-1)`` (a normal fp32 for s <= 128)
+    gives the exact value: ~5 ops per code. (Relies on IEEE subnormals in ``mul.f32``; Triton emits no .ftz.)
+    Otherwise the general decode (any byte, 0xFF = NaN) costs ~10.
     """
     q = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-    sc = _e8m0_to_fp32(tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32))
+    s = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
     dt = a_even.dtype
-    w_lo = _e2m1_to_fp32(q & 7, (q & 0x08) << 28) * sc           # low nibble: element 2k
+    if SMALL_SCALES:
+        sc = _small_scale_fp32(s)
+        w_lo = _lo_nibble_small(q, sc)
+        w_hi = _hi_nibble_small(q, sc)
+    else:
+        sc = _e8m0_to_fp32(s)
+        w_lo = _e2m1_to_fp32(q & 7, (q & 0x08) << 28) * sc           # low nibble: element 2k
+        w_hi = _e2m1_to_fp32((q >> 4) & 7, (q & 0x80) << 24) * sc    # high nibble: element 2k+1
     acc = tl.dot(a_even, w_lo.to(dt), acc, input_precision=DOT_PRECISION)
-    w_hi = _e2m1_to_fp32((q >> 4) & 7, (q & 0x80) << 24) * sc    # high nibble: element 2k+1
     return tl.dot(a_odd, w_hi.to(dt), acc, input_precision=DOT_PRECISION)
 
 
@@ -91,7 +120,7 @@ def _mxfp4_moe_gemm_kernel(
     beta, linear_beta,
     K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr,
+    DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, SMALL_SCALES: tl.constexpr,
 ):
     """out[r, n] = f(sum_k A[r // a_row_div, k] * W[e, n, k]) for the rows r of this block's expert e.
 
@@ -151,10 +180,10 @@ def _mxfp4_moe_gemm_kernel(
                 w_mask = n_ok[None, :] & k_ok
                 s_mask = n_ok[None, :] & k_ok
                 acc = _mxfp4_group_dot(acc, a_even, a_odd, w_base + kj[:, None], w_mask, s_base + kg // 32, s_mask,
-                                       DOT_PRECISION)
+                                       DOT_PRECISION, SMALL_SCALES)
                 if GATED:
                     acc_up = _mxfp4_group_dot(acc_up, a_even, a_odd, w_base + N * stride_wn + kj[:, None], w_mask,
-                                              s_base + N * stride_sn + kg // 32, s_mask, DOT_PRECISION)
+                                              s_base + N * stride_sn + kg // 32, s_mask, DOT_PRECISION, SMALL_SCALES)
     if GATED:
         # The reference rounds gate/up to the activation dtype before the activation; so do we.
         g = acc.to(dt).to(tl.float32)
@@ -214,7 +243,8 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
     """Grouped W4A16 MoE: x [T, D] (bf16/fp16/fp32), topk_weights [T, k], topk_ids [T, k] -> [T, D] in x's dtype.
 
     ``config`` overrides the tile sizes of ``default_config`` (keys BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-    num_stages) and may set ``dot_scaled=True``: let ``tl.dot_scaled`` upcast the weights instead of the
+    num_stages), may set ``general_decode=True`` (the any-scale-byte decode even when every byte is <= 128),
+    and may set ``dot_scaled=True``: let ``tl.dot_scaled`` upcast the weights instead of the
     in-register decode (CUDA, bf16/fp16 activations only; not runnable under the interpreter, and it decodes
     scale byte 0 as 0 instead of 2^-127). Raises ValueError for a shape that does not match ``experts``, an
     unknown activation, or dot_scaled with fp32 activations.
@@ -243,6 +273,9 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     beta, lbeta = (experts.act_params + (4.0, 25.0))[:2] if experts.activation == "situ" else (1.0, 1.0)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    general = cfg.get("general_decode", False)  # force the any-scale decode (tests)
+    small13 = not general and experts.max_scale_byte("w13") <= 128
+    small2 = not general and experts.max_scale_byte("w2") <= 128
     inter = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     w13, s13 = experts.w13_weight_packed, experts.w13_weight_scale
     _mxfp4_moe_gemm_kernel[(block_expert.numel(), triton.cdiv(I, bn))](
@@ -252,7 +285,7 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
         float(beta), float(lbeta),
         K=D, GATED=True, ACT=_ACT_CODES[experts.activation], MUL_ROUTED_WEIGHT=False,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
-        DOT_SCALED=dot_scaled, A_FORMAT=a_format or "bf16", **launch)
+        DOT_SCALED=dot_scaled, A_FORMAT=a_format or "bf16", SMALL_SCALES=small13, **launch)
     y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     w2, s2 = experts.w2_weight_packed, experts.w2_weight_scale
     _mxfp4_moe_gemm_kernel[(block_expert.numel(), triton.cdiv(D, bn))](
@@ -262,5 +295,5 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
         1.0, 1.0,
         K=I, GATED=False, ACT=0, MUL_ROUTED_WEIGHT=True,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
-        DOT_SCALED=dot_scaled, A_FORMAT=a_format or "bf16", **launch)
+        DOT_SCALED=dot_scaled, A_FORMAT=a_format or "bf16", SMALL_SCALES=small2, **launch)
     return y.view(T, k, D).float().sum(1).to(x.dtype)

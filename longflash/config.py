@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -56,6 +57,34 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: to
     return _DTYPES.get(str(config_dtype or "bfloat16"), torch.bfloat16) or torch.bfloat16
 
 
+def parse_speculative_config(value: dict | str | None) -> dict | str | None:
+    """Normalise ``--speculative-config``: None, "off", or a dict with ``method`` "dflash",
+    ``model`` (drafter directory) and optional ``num_speculative_tokens`` (>= 1).
+
+    Raises ValueError naming the problem (bad JSON, unknown method, missing model).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() in ("off", "none", "disabled"):
+            return "off"
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError("speculative_config must be a JSON object or 'off'")
+    method = value.get("method", "dflash")
+    if method != "dflash":
+        raise ValueError(f"unsupported speculative method {method!r}; supported: dflash")
+    if not value.get("model"):
+        raise ValueError("speculative_config needs 'model': the DFlash drafter directory")
+    k = value.get("num_speculative_tokens")
+    if k is not None and (not isinstance(k, int) or k < 1):
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+    return dict(value, method=method)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the model weights.
@@ -87,10 +116,14 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     enforce_eager: bool = False
+    # {"method": "dflash", "model": PATH, "num_speculative_tokens": K}, a JSON string of it, "off",
+    # or None (the default model uses its shipped drafter; other models run without).
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):

@@ -14,3 +14,9 @@ def default_model_path() -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"the embedded default model is missing at {path}; pass --model PATH")
     return path
+
+
+def is_default_model(path: str) -> bool:
+    """True when ``path`` is the embedded default model's directory."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+    return os.path.realpath(path) == os.path.realpath(here)

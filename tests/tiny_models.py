@@ -62,3 +62,37 @@ def build(variant: str, root: str) -> str:
     if not os.path.isdir(path):
         VARIANTS[variant](path)
     return path
+
+
+def make_drafter(path: str, target_config: dict, *, block_size: int = 4, num_layers: int = 2, mask_token_id: int = 3,
+                 target_layer_ids: list[int] | None = None, seed: int = 0, scale: float = 0.1,
+                 layer_types: list[str] | None = None, sliding_window: int | None = None) -> str:
+    """Save a random-weights DFlash drafter (z-lab ``DFlashDraftModel`` format) for a target config."""
+    import json
+
+    from safetensors.torch import save_file
+
+    H = target_config["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
+           "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "intermediate_size": 2 * H, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+           "vocab_size": target_config["vocab_size"], "block_size": block_size,
+           "num_target_layers": target_config["num_hidden_layers"],
+           "dflash_config": {"mask_token_id": mask_token_id}}
+    if target_layer_ids is not None:
+        cfg["dflash_config"]["target_layer_ids"] = target_layer_ids
+    if layer_types is not None:
+        cfg["layer_types"], cfg["sliding_window"] = layer_types, sliding_window
+    from longflash.spec_decode.dflash_config import DFlashConfig
+    from longflash.spec_decode.dflash_model import DFlashDraftModel
+    dcfg = DFlashConfig.from_dict(cfg, target_config["num_hidden_layers"])
+    model = DFlashDraftModel(dcfg)
+    sd = {}
+    for name, p in model.named_parameters():
+        sd[name] = torch.ones(p.shape) if p.dim() == 1 else torch.randn(p.shape, generator=g) * scale
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    return path

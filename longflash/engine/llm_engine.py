@@ -34,6 +34,10 @@ class EngineStats:
     generation_tokens: int = 0
     num_preemptions: int = 0
     request_success: dict[str, int] = field(default_factory=dict)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: dict[int, int] = field(default_factory=dict)
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
@@ -93,7 +97,11 @@ class LLMEngine:
 
         self.kv_cache_dtype = self._kv_cache_dtype()
         spec = self.model.kv_cache_spec()
-        self.kv_bytes_per_token = spec.bytes_per_token(self.kv_cache_dtype)
+        self.num_speculative_tokens = 0
+        self.proposer = self._make_proposer()
+        self.draft_kv_bytes_per_token = self.proposer.kv_bytes_per_token() if self.proposer else 0
+        # Capacity accounting includes the draft pool: both are addressed by the same block ids.
+        self.kv_bytes_per_token = spec.bytes_per_token(self.kv_cache_dtype) + self.draft_kv_bytes_per_token
         bs = config.block_size
         if config.num_gpu_blocks is not None:
             num_blocks = config.num_gpu_blocks
@@ -117,6 +125,8 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device,
                                   config.calculate_kv_scales, config.context_workspace_rows)
+        if self.proposer is not None:
+            self.proposer.allocate(self.num_blocks, bs)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampling_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.stats = EngineStats()
@@ -127,6 +137,27 @@ class LLMEngine:
         self.log_startup()
 
     # ---- set-up ---------------------------------------------------------------------------
+    def _make_proposer(self):
+        """The DFlash proposer named by ``speculative_config``; the embedded default model uses
+        its shipped drafter unless speculative decoding is turned off."""
+        sc = self.config.speculative_config
+        if sc == "off":
+            return None
+        if sc is None:
+            shipped = os.path.join(self.config.model, "drafter")
+            from longflash.default_model_path import is_default_model
+            if not (is_default_model(self.config.model) and os.path.isfile(os.path.join(shipped, "config.json"))):
+                return None
+            sc = {"method": "dflash", "model": shipped}
+        from longflash.spec_decode.proposer import DFlashProposer
+        proposer = DFlashProposer(sc["model"], self.model, self.dtype, self.device)
+        k = sc.get("num_speculative_tokens") or proposer.block_size - 1
+        self.num_speculative_tokens = min(int(k), proposer.block_size - 1)
+        logger.info("speculative decoding: DFlash drafter %s, block size %d, %d draft tokens per step, taps %s (%s)",
+                    sc["model"], proposer.block_size, self.num_speculative_tokens,
+                    proposer.drafter.cfg.target_layer_ids, proposer.tapper.mode)
+        return proposer
+
     def _kv_cache_dtype(self) -> torch.dtype:
         kvd = self.config.kv_cache_dtype
         if kvd == "auto":
@@ -302,7 +333,7 @@ class LLMEngine:
             while seq.num_computed_tokens < len(seq.token_ids):
                 n = min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
                 self.block_manager.append_slots(seq, n)
-                logits, _ = self.runner.execute(SchedulerOutput([ScheduledSeq(seq, n)], []), all_logits=True)
+                logits = self.runner.execute(SchedulerOutput([ScheduledSeq(seq, n)], []), all_logits=True).logits
                 pieces.append(logits)
                 seq.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(seq)
@@ -316,34 +347,62 @@ class LLMEngine:
         tmp.block_table = []
         self.block_manager.append_slots(tmp, cached)
         try:
-            logits, _ = self.runner.execute(SchedulerOutput([ScheduledSeq(tmp, cached)], []), all_logits=True)
+            logits = self.runner.execute(SchedulerOutput([ScheduledSeq(tmp, cached)], []), all_logits=True).logits
         finally:
             self.block_manager.free(tmp)
         return logits
 
     # ---- stepping -------------------------------------------------------------------------
+    def _lookahead(self, seq: Sequence) -> int:
+        """Draft tokens to verify after the pending token: B − 1 (or num_speculative_tokens),
+        never past max_tokens or max_model_len."""
+        left = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+        return max(0, min(self.num_speculative_tokens, left, self.max_model_len - len(seq.token_ids)))
+
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, update requests. Returns the requests that
-        produced a token or finished (cumulative text and token ids)."""
-        sched = self.scheduler.schedule()
+        """Schedule, (draft,) run the target once, sample or verify, update requests. Returns the
+        requests that produced tokens or finished (cumulative text and token ids)."""
+        sched = self.scheduler.schedule(self._lookahead if self.proposer is not None else None)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not sched.scheduled:
             return []
-        now = time.time()
-        logits, sample_rows = self.runner.execute(sched)
+        drafting = [s for s in sched.scheduled if s.num_lookahead_tokens]
+        if drafting:
+            drafts = self.proposer.propose([(s.seq.token_ids[-1], s.seq.num_computed_tokens, s.num_lookahead_tokens,
+                                             s.seq.block_table) for s in drafting])
+            for s, d in zip(drafting, drafts):
+                s.seq.spec_token_ids = d
+        res = self.runner.execute(sched, tapper=self.proposer.tapper if self.proposer is not None else None)
         outputs = []
         now = time.time()
-        for s, row in zip(sched.scheduled, sample_rows):
+        for i, s in enumerate(sched.scheduled):
             seq = s.seq
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-            seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if row < 0:
-                continue
+            first_row, n_rows = res.spans[i]
             try:
-                token = self._sample(seq, logits[row])
-                self._append(seq, token, now)
+                tokens = self._sample_and_verify(seq, res.logits[first_row:first_row + n_rows],
+                                                 s.num_lookahead_tokens) if n_rows else []
+                # Rows whose KV is now valid: the scheduled tokens plus the accepted drafts.
+                committed = s.num_new_tokens + (len(tokens) - 1 if s.num_lookahead_tokens else 0)
+                if self.proposer is not None:
+                    q0 = res.ctx.query_start_loc_cpu[i]
+                    self.proposer.write_context(res.aux[q0:q0 + committed], res.ctx.positions[q0:q0 + committed],
+                                                res.ctx.slot_mapping[q0:q0 + committed])
+                decoding = seq.num_computed_tokens >= seq.num_prompt_tokens
+                seq.num_computed_tokens += committed
+                seq.spec_token_ids = []
+                if s.num_lookahead_tokens:
+                    self.block_manager.truncate(seq, seq.num_computed_tokens)
+                self.block_manager.cache_full_blocks(seq)
+                if not tokens:
+                    continue
+                if decoding:
+                    seq.metrics.num_decode_steps += 1
+                for t in tokens:
+                    self._append(seq, t, now)
+                    if seq.is_finished:
+                        break
             except Exception as e:
                 # NOTE: one request's sampling/detokenization failure fails that request only; the
                 # others in the batch keep their tokens. The caller drains ``failed_requests``.
@@ -353,6 +412,31 @@ class LLMEngine:
                 continue
             outputs.append(self._output(seq))
         return outputs
+
+    def _sample_and_verify(self, seq: Sequence, logits: torch.Tensor, num_drafts: int) -> list[int]:
+        """Tokens to commit from logits [num_drafts + 1, vocab].
+
+        Without drafts: one sampled token. With drafts d_1..d_L: the target's token at slot k is
+        sampled (argmax when greedy) and compared with d_{k+1}; matching drafts are accepted and the
+        first mismatch (or the bonus token after L acceptances) is committed too. Drafts are
+        deterministic (argmax), so sample-and-compare is lossless (``shared/specs/dflash.md`` §4).
+        """
+        drafts = seq.spec_token_ids[:num_drafts]
+        out = []
+        for k in range(num_drafts + 1):
+            t = self._sample(seq, logits[k])
+            out.append(t)
+            if k == num_drafts or t != drafts[k]:
+                break
+        if num_drafts:
+            a = len(out) - 1
+            st = self.stats
+            st.spec_num_drafts += 1
+            st.spec_num_draft_tokens += num_drafts
+            st.spec_num_accepted_tokens += a
+            for k in range(a):
+                st.spec_accepted_per_pos[k] = st.spec_accepted_per_pos.get(k, 0) + 1
+        return out
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         gen = seq.generator if seq.generator is not None else self.sampling_generator
@@ -367,9 +451,8 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
             self.stats.ttft.append(now - m.arrival_time)
-        else:
+        elif now != m.last_token_time:
             self.stats.itl.append(now - m.last_token_time)
-            m.num_decode_steps += 1
         m.last_token_time = now
         seq.append_token(token)
         m.num_generation_tokens += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from longflash.engine.block_manager import BlockManager
 from longflash.engine.sequence import Sequence, SequenceStatus
@@ -84,9 +85,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
-        """Plan one step. ``num_lookahead_tokens`` is reserved per decoding sequence for
-        speculative tokens (0 without speculative decoding)."""
+    def schedule(self, lookahead_fn: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
+        """Plan one step. ``lookahead_fn(seq)`` gives the speculative tokens to verify after the
+        pending token of a decoding sequence (None: no speculative decoding); their KV slots are
+        reserved in the same step and count against the token budget."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -97,7 +99,7 @@ class Scheduler:
             seq = self.running[i]
             remaining = seq.num_uncomputed_tokens
             decoding = remaining == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-            lookahead = num_lookahead_tokens if decoding else 0
+            lookahead = lookahead_fn(seq) if (decoding and lookahead_fn is not None) else 0
             num_new = min(remaining, budget)
             if lookahead and num_new + lookahead > budget:
                 lookahead = 0

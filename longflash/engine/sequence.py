@@ -49,6 +49,8 @@ class Sequence:
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed)
         self.num_preemptions = 0
+        # Draft tokens proposed for this step's verify (speculative decoding), else empty.
+        self.spec_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

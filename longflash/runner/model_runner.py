@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,17 @@ from longflash.models.base import CausalLM
 from longflash.runner.context import ForwardContext, set_forward_context
 
 logger = logging.getLogger("longflash")
+
+
+@dataclass
+class StepResult:
+    """logits [N, vocab] fp32; spans[i] = (first row, rows) of scheduled sequence i; the forward
+    context (positions, slot_mapping of every token); aux taps [T, K·H] or None."""
+
+    logits: torch.Tensor
+    spans: list[tuple[int, int]]
+    ctx: ForwardContext
+    aux: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -44,36 +56,43 @@ class ModelRunner:
                 layer.context_workspace_rows = context_workspace_rows
             self.kv_caches.append(cache)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, list[tuple[int, int]]]:
         """Build input ids and the forward context.
 
-        Returns (input_ids [T], context, sample_rows) where sample_rows[i] is the index into the
-        logits of the i-th scheduled sequence, or -1 if that sequence does not sample this step
-        (a prefill chunk that does not reach its last token).
+        A decoding sequence with ``num_lookahead_tokens`` L verifies ``[pending, spec_token_ids[:L]]``
+        (L + 1 query tokens, causal). Returns (input_ids [T], context, logit_spans) where
+        logit_spans[i] = (first logits row, number of rows) of the i-th scheduled sequence:
+        L + 1 rows for a verify, 1 row when the sequence reaches its last token, 0 for a prefill
+        chunk that does not.
         """
         bs = self.block_size
         input_ids, positions, slots = [], [], []
-        qsl, seq_lens, ctx_lens, is_decode, sample_rows, logits_idx = [0], [], [], [], [], []
+        qsl, seq_lens, ctx_lens, is_decode, spans, logits_idx = [0], [], [], [], [], []
         max_blocks = max(len(s.seq.block_table) for s in sched.scheduled)
         table = torch.full((len(sched.scheduled), max_blocks), -1, dtype=torch.int32)
         for i, s in enumerate(sched.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
-            n = s.num_new_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
+            n, L = s.num_new_tokens, s.num_lookahead_tokens
+            end = start + n + L
+            input_ids.extend(seq.token_ids[start:start + n])
+            if L:
+                input_ids.extend(seq.spec_token_ids[:L])
             positions.extend(range(start, end))
             bt = seq.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
             table[i, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
-            qsl.append(qsl[-1] + n)
+            qsl.append(qsl[-1] + n + L)
             seq_lens.append(end)
             ctx_lens.append(start)
             is_decode.append(start >= seq.num_prompt_tokens)
-            if end == len(seq.token_ids):
-                sample_rows.append(len(logits_idx))
+            if L:
+                spans.append((len(logits_idx), L + 1))
+                logits_idx.extend(range(qsl[-2], qsl[-1]))
+            elif start + n == len(seq.token_ids):
+                spans.append((len(logits_idx), 1))
                 logits_idx.append(qsl[-1] - 1)
             else:
-                sample_rows.append(-1)
+                spans.append((len(logits_idx), 0))
         dev = self.device
         ctx = ForwardContext(
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -89,15 +108,21 @@ class ModelRunner:
             block_size=bs,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
         )
-        return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, sample_rows
+        return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, spans
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns (logits [N, vocab] fp32 for sampling rows, sample_rows); with
-        ``all_logits`` the logits of every scheduled token [T, vocab] instead."""
-        input_ids, ctx, sample_rows = self.prepare(sched)
+    def execute(self, sched: SchedulerOutput, all_logits: bool = False, tapper=None) -> StepResult:
+        """Run one step: the model over all scheduled tokens, logits of the sampled rows (of every
+        token with ``all_logits``), and the aux taps [T, K·H] when a tapper is given."""
+        input_ids, ctx, spans = self.prepare(sched)
+        aux = None
         with set_forward_context(ctx):
-            hidden = self.model(input_ids)
+            if tapper is not None:
+                with tapper.capture() as taps:
+                    hidden = self.model(input_ids)
+                aux = tapper.concat(taps)
+            else:
+                hidden = self.model(input_ids)
             rows = hidden if all_logits else hidden[ctx.logits_indices]
             logits = self.model.compute_logits(rows)
-        return logits, sample_rows
+        return StepResult(logits, spans, ctx, aux)

@@ -1,0 +1,176 @@
+"""DFlash block-diffusion drafter (Chen, Liang, Liu, arXiv 2602.06036; z-lab/dflash checkpoint format).
+
+A few Qwen3-style layers with no embedding or LM head of their own (the target's are used).
+Context features ``h_ctx = hidden_norm(fc(concat(taps)))`` are computed once per committed token and
+their per-layer K/V written into a paged **draft KV pool** that shares block ids and slots with the
+target's cache. A draft block ``[pending, MASK × (B−1)]`` then attends non-causally over
+``[context ; block]``; sliding-window layers bound only the context lookback.
+Source of the layer math: ``shared/specs/dflash.md`` ("Drafter").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from longflash.attention import ops
+from longflash.layers.mlp import GatedMLP
+from longflash.layers.norm import RMSNorm
+from longflash.layers.rotary import RotaryEmbedding
+from longflash.spec_decode.dflash_config import DFlashConfig
+
+
+class DFlashAttention(nn.Module):
+    """q from the block only; k/v from [context ; block]; per-head q_norm/k_norm; RoPE at absolute
+    positions; GQA; scale head_dim^-0.5; non-causal."""
+
+    def __init__(self, cfg: DFlashConfig, rotary: RotaryEmbedding, window: int | None):
+        super().__init__()
+        H, nh, kvh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, kvh, hd
+        self.q_proj = nn.Linear(H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, kvh * hd, bias=False)
+        self.v_proj = nn.Linear(H, kvh * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.window = window
+        self.scale = hd ** -0.5
+        self.kv_cache: torch.Tensor | None = None  # draft pool: [2, num_blocks, block_size, kvh, hd]
+
+    def kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated, normed keys and values of rows h [T, H] at ``positions`` [T]."""
+        T = h.shape[0]
+        k = self.k_norm(self.k_proj(h).view(T, self.num_kv_heads, self.head_dim))
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        return self.rotary.rotate(k, cos, sin), self.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
+
+    def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        k, v = self.kv(h_ctx, positions)
+        ops.reshape_and_cache(k, v, self.kv_cache[0], self.kv_cache[1], slot_mapping)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, block_starts: list[int],
+                context_lens: list[int], block_table: torch.Tensor) -> torch.Tensor:
+        """x [N, H] (normed block rows of all requests, concatenated); request b owns rows
+        ``block_starts[b]:block_starts[b+1]`` and has ``context_lens[b]`` cached context tokens."""
+        N = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(N, self.num_heads, self.head_dim))
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q = self.rotary.rotate(q, cos, sin)
+        k_blk, v_blk = self.kv(x, positions)
+        out = x.new_empty(N, self.num_heads, self.head_dim)
+        rep = self.num_heads // self.num_kv_heads
+        for b, ctx_len in enumerate(context_lens):
+            s, e = block_starts[b], block_starts[b + 1]
+            lo = 0 if self.window is None else max(0, ctx_len - self.window)
+            cu = torch.tensor([0, ctx_len - lo], dtype=torch.int32, device=x.device)
+            starts = torch.tensor([lo], dtype=torch.int32, device=x.device)
+            k_ctx = ops.gather_and_maybe_dequant_cache(self.kv_cache[0], block_table[b:b + 1], cu, starts, x.dtype)
+            v_ctx = ops.gather_and_maybe_dequant_cache(self.kv_cache[1], block_table[b:b + 1], cu, starts, x.dtype)
+            k = torch.cat([k_ctx, k_blk[s:e]]).repeat_interleave(rep, dim=1)
+            v = torch.cat([v_ctx, v_blk[s:e]]).repeat_interleave(rep, dim=1)
+            out[s:e], _ = ops.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=None)
+        return self.o_proj(out.reshape(N, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, rotary: RotaryEmbedding, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg, rotary, cfg.window(layer_idx))
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDraftModel(nn.Module):
+    """Parameters named as in released drafters: ``layers.{i}.*``, ``norm``, ``fc``, ``hidden_norm``.
+
+    Use:
+        ``context_features(aux [T, K·H]) -> h_ctx [T, H]``;
+        ``write_context(h_ctx, positions, slot_mapping)`` into the draft pool;
+        ``forward(block_embeds [N, H], positions [N], block_starts, context_lens, block_table)``
+        -> final-normed hidden [N, H]; logits via the target's ``lm_head``.
+    """
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(DFlashLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mask_embedding: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def attention_layers(self) -> list[DFlashAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def kv_row_shape(self) -> tuple[int, int]:
+        return (self.cfg.num_key_value_heads, self.cfg.head_dim)
+
+    def context_features(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [T, K·H] (taps concatenated in ``target_layer_ids`` order) -> h_ctx [T, H]."""
+        return self.hidden_norm(self.fc(aux))
+
+    def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        for attn in self.attention_layers():
+            attn.write_context(h_ctx, positions, slot_mapping)
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, block_starts: list[int],
+                context_lens: list[int], block_table: torch.Tensor) -> torch.Tensor:
+        h = block_embeds
+        for layer in self.layers:
+            h = h + layer.self_attn(layer.input_layernorm(h), positions, block_starts, context_lens, block_table)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def embed_block(self, embed_tokens: nn.Embedding, token_ids: torch.Tensor) -> torch.Tensor:
+        """Target embeddings of block tokens, with the drafter's own mask row when it ships one."""
+        e = embed_tokens(token_ids)
+        if self.mask_embedding is not None:
+            e = torch.where((token_ids == self.cfg.mask_token_id)[:, None], self.mask_embedding.to(e.dtype), e)
+        return e
+
+
+def load_drafter(path: str, num_target_layers: int, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
+    """Load a DFlash drafter directory (config.json, *.safetensors, optional mask_embedding.pt).
+
+    Raises ValueError / ModelLoadError naming the problem (bad config, missing tensor, shape).
+    """
+    from longflash.models.loader import ModelLoadError, iterate_tensors, safetensors_files
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = DFlashConfig.from_dict(json.load(f), num_target_layers)
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(f"drafter target_layer_ids {cfg.target_layer_ids} name layers outside the target's "
+                         f"{num_target_layers}")
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, t in iterate_tensors(safetensors_files(path), progress=False):
+        name = name[len("model."):] if name.startswith("model.") else name
+        if name not in params:
+            continue
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ModelLoadError(f"drafter tensor {name!r} has shape {list(t.shape)}, expected {list(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(t.to(dtype))
+        loaded.add(name)
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise ModelLoadError(f"drafter checkpoint is missing tensor {missing[0]!r}")
+    mask_path = os.path.join(path, "mask_embedding.pt")
+    if os.path.isfile(mask_path):
+        emb = torch.load(mask_path, map_location="cpu", weights_only=True)
+        model.mask_embedding = emb.reshape(-1).to(device=device, dtype=dtype)
+    return model.eval()

@@ -44,13 +44,16 @@ def weight_memory_report(model: nn.Module) -> dict:
             "mxfp4_bf16_bytes": 2 * n_weights}
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def format_weight_report(r: dict) -> str:
-    """One log line, e.g. ``weights: 1.23 GiB (bfloat16 1.00 GiB, uint8 0.23 GiB; MXFP4 experts ...)``."""
-    gib = 2.0 ** 30
-    parts = ", ".join(f"{k} {v / gib:.3f} GiB" for k, v in r["bytes_by_dtype"].items())
-    line = f"weights: {r['total_bytes'] / gib:.3f} GiB ({parts})"
+    """One log line, e.g. ``weights: 1.23 GiB (bfloat16 1.00 GiB, uint8 0.23 GiB); MXFP4 routed experts ...``."""
+    parts = ", ".join(f"{k} {_size(v)}" for k, v in r["bytes_by_dtype"].items())
+    line = f"weights: {_size(r['total_bytes'])} ({parts})"
     if r["mxfp4_weights"]:
         bits = 8 * r["mxfp4_packed_bytes"] / r["mxfp4_weights"]
-        line += (f"; MXFP4 routed experts {r['mxfp4_packed_bytes'] / gib:.3f} GiB for {r['mxfp4_weights']} weights "
-                 f"({bits:.2f} bits/weight; bf16 would be {r['mxfp4_bf16_bytes'] / gib:.3f} GiB)")
+        line += (f"; MXFP4 routed experts {_size(r['mxfp4_packed_bytes'])} for {r['mxfp4_weights']} weights "
+                 f"({bits:.2f} bits/weight; bf16 would be {_size(r['mxfp4_bf16_bytes'])})")
     return line

@@ -152,7 +152,8 @@ def tiny(tmp_path_factory):
     ref.load_state_dict({k: v for k, v in plain.items()})
     with torch.no_grad():
         spec = ref(torch.tensor([PROMPT]))[0]
-    return dict(root=root, cfg=cfg, ref=ref, packed=packed, plain=plain, packed_dir=packed_dir, want=want, spec=spec)
+    return dict(root=root, cfg=cfg, ref=ref, packed=packed, plain=plain, packed_dir=packed_dir, plain_dir=plain_dir,
+                want=want, spec=spec)
 
 
 def test_packed_checkpoint_logits_equal_dequantized_checkpoint(tiny):
@@ -166,6 +167,14 @@ def test_packed_checkpoint_logits_equal_dequantized_checkpoint(tiny):
     got = llm.engine.score(PROMPT)
     assert _rel(got, tiny["want"]) <= 1e-5
     assert _rel(got, tiny["spec"]) <= 1e-4  # and the spec-written reference with the decoded weights
+
+
+def test_bf16_packed_equals_dequantized_bitwise(tiny):
+    """In bf16 the reference dequantizes to exactly the bf16 weights of the unpacked checkpoint (E2M1 times a
+    power of two is exact) and runs the same ops, so the logits are identical."""
+    def score(path):
+        return LLM(path, skip_tokenizer_init=True, dtype="bfloat16", num_gpu_blocks=32).engine.score(PROMPT)
+    assert torch.equal(score(tiny["packed_dir"]), score(tiny["plain_dir"]))
 
 
 @pytest.mark.parametrize("qcfg_top", [False, True])

@@ -157,8 +157,10 @@ def _scale_arg(k_scale) -> tuple[float, bool]:
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None) -> None:
-    """Triton version of :func:`longflash.attention.ops.concat_and_cache_mla` (same semantics)."""
+                         slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
+                         *, block_t: int = 8, num_warps: int = 4) -> None:
+    """Triton version of :func:`longflash.attention.ops.concat_and_cache_mla` (same semantics).
+    ``block_t`` (rows per program) and ``num_warps`` are tuning knobs (benchmarks sweep them)."""
     triton, write, _, _ = _kernels()
     T = kv_c.shape[0]
     if T == 0:
@@ -171,17 +173,18 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     fp8 = kv_cache.dtype == FP8_DTYPE
     dst = kv_cache.view(torch.uint8) if fp8 else kv_cache
     scale, has_scale = _scale_arg(k_scale)
-    BLOCK_T, BLOCK_D = 8, triton.next_power_of_2(R + P)
+    BLOCK_T, BLOCK_D = block_t, triton.next_power_of_2(R + P)
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(R + P, BLOCK_D))
     write[grid](kv_c, k_pe, dst, slot_mapping, scale, T, kv_c.stride(0), k_pe.stride(0), R=R, P=P, FP8=fp8,
-                HAS_SCALE=has_scale, FP8_MAX_C=FP8_MAX, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+                HAS_SCALE=has_scale, FP8_MAX_C=FP8_MAX, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=num_warps)
 
 
 def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
                                    seq_starts: torch.Tensor | None, out_dtype: torch.dtype,
                                    k_scale: float | torch.Tensor | None = None,
                                    token_to_seq: torch.Tensor | None = None,
-                                   total: int | None = None) -> torch.Tensor:
+                                   total: int | None = None, *, block_t: int | None = None,
+                                   num_warps: int = 4) -> torch.Tensor:
     """Triton version of :func:`longflash.attention.ops.gather_and_maybe_dequant_cache`.
 
     ``total`` (rows, = cu_seq_lens[-1]) may be given to avoid a device->host sync. Rows of
@@ -208,11 +211,11 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     starts = seq_starts if seq_starts is not None else cu_seq_lens
     BLOCK_D = min(triton.next_power_of_2(W), 1024)
-    BLOCK_T = max(1, 4096 // BLOCK_D)
+    BLOCK_T = block_t or max(1, 4096 // BLOCK_D)
     grid = (triton.cdiv(total, BLOCK_T), triton.cdiv(W, BLOCK_D))
     gather[grid](src, bt, cu_seq_lens, starts, token_to_seq, out, scale, total, bt.stride(0), cache.shape[1],
                  W=W, FP8=fp8, HAS_SCALE=has_scale, HAS_STARTS=seq_starts is not None, BLOCK_T=BLOCK_T,
-                 BLOCK_D=BLOCK_D)
+                 BLOCK_D=BLOCK_D, num_warps=num_warps)
     return out
 
 

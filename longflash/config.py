@@ -74,14 +74,14 @@ def parse_speculative_config(value: dict | str | None) -> dict | str | None:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
     if not isinstance(value, dict):
         raise ValueError("speculative_config must be a JSON object or 'off'")
+    k = value.get("num_speculative_tokens")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
     method = value.get("method", "dflash")
     if method != "dflash":
         raise ValueError(f"unsupported speculative method {method!r}; supported: dflash")
     if not value.get("model"):
         raise ValueError("speculative_config needs 'model': the DFlash drafter directory")
-    k = value.get("num_speculative_tokens")
-    if k is not None and (not isinstance(k, int) or k < 1):
-        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
     return dict(value, method=method)
 
 

@@ -2,6 +2,10 @@ import os
 import sys
 
 import pytest
+import torch
+
+# The suite's models are tiny: one intra-op thread is as fast and does not fight other processes.
+torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(__file__))
 

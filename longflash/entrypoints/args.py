@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from longflash.config import EngineConfig, parse_bytes
+from longflash.config import EngineConfig, parse_bytes, parse_speculative_config
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -33,6 +33,16 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help="DFlash drafter as JSON, e.g. '{\"method\": \"dflash\", \"model\": PATH, "
+                        "\"num_speculative_tokens\": 7}', or 'off' (default: the embedded model's own drafter)")
+
+
+def _speculative_config(value: str):
+    try:
+        return parse_speculative_config(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -48,4 +58,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed,
         skip_tokenizer_init=args.skip_tokenizer_init, tokenizer=args.tokenizer,
         tensor_parallel_size=args.tensor_parallel_size,
-        decode_context_parallel_size=args.decode_context_parallel_size, enforce_eager=args.enforce_eager)
+        decode_context_parallel_size=args.decode_context_parallel_size, enforce_eager=args.enforce_eager,
+        speculative_config=getattr(args, "speculative_config", None))

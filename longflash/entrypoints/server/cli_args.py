@@ -15,31 +15,6 @@ logger = logging.getLogger("longflash.server")
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
-def parse_speculative_config(value: str) -> dict | None:
-    """``--speculative-config``: a JSON object (vLLM's), or ``off``/``none`` for none.
-
-    Checked now: valid JSON, an object, ``num_speculative_tokens`` a positive integer when given,
-    ``method`` a string when given. Stored for the DFlash wiring; the engine does not use it yet.
-    """
-    if value.strip().lower() in ("off", "none", "null", ""):
-        return None
-    try:
-        cfg = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
-    if cfg is None:
-        return None
-    if not isinstance(cfg, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"dflash\", "
-                                         f"\"num_speculative_tokens\": 8}}', got {value!r}")
-    k = cfg.get("num_speculative_tokens")
-    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-        raise argparse.ArgumentTypeError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-    if "method" in cfg and not isinstance(cfg["method"], str):
-        raise argparse.ArgumentTypeError(f"method must be a string, got {cfg['method']!r}")
-    return cfg
-
-
 def _positive_bytes(value: str) -> int:
     try:
         return parse_bytes(value)
@@ -57,9 +32,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) in the API; the first one is used in responses and metrics "
                         "(default: the model argument)")
-    p.add_argument("--speculative-config", type=parse_speculative_config, default=None,
-                   help="speculative decoding config as a JSON string (e.g. '{\"method\": \"dflash\", "
-                        "\"num_speculative_tokens\": 8}'), or 'off'")
     p.add_argument("--max-request-body-bytes", type=_positive_bytes, default=32 << 20,
                    help="largest accepted request body, bytes or e.g. 32MiB (larger: 413)")
     p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs accepted")
@@ -95,10 +67,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)  # logs the start-up report: load time, KV cache tokens/blocks, concurrency
     model_arg = getattr(args, "model_tag", None) or args.model
     names = args.served_model_name or [model_arg or "longflash-default"]
-    spec = args.speculative_config
-    if spec is not None:
-        logger.info("speculative config accepted and stored (not used by the engine yet): %s", json.dumps(spec))
-    metrics = ServerMetrics(names[0], num_speculative_tokens=int((spec or {}).get("num_speculative_tokens") or 0))
+    spec = config.speculative_config if isinstance(config.speculative_config, dict) else None
+    metrics = ServerMetrics(names[0], num_speculative_tokens=engine.num_speculative_tokens)
     async_engine = AsyncEngine(engine, metrics, log_requests=not args.disable_log_requests)
     metrics.update(engine)
     app = build_app(async_engine, names, config.model, metrics, api_key=args.api_key,

@@ -65,7 +65,7 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request "
                                              "latency in seconds.", lm, buckets=E2E_BUCKETS,
                                              registry=r).labels(model_name)
-        # Speculative decoding: zero until DFlash is wired into the engine.
+        # Speculative decoding (DFlash): drafts = verify steps, draft tokens proposed, accepted tokens.
         self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
@@ -103,6 +103,11 @@ class ServerMetrics:
                 if child is None:
                     child = self.request_success[reason] = self._success_family.labels(self.model_name, reason)
                 self._add("success:" + reason, child, n)
+            self._add("spec_drafts", self.spec_decode_num_drafts, st.spec_num_drafts)
+            self._add("spec_draft_tokens", self.spec_decode_num_draft_tokens, st.spec_num_draft_tokens)
+            self._add("spec_accepted", self.spec_decode_num_accepted_tokens, st.spec_num_accepted_tokens)
+            for pos, child in enumerate(self.spec_decode_num_accepted_tokens_per_pos):
+                self._add(f"spec_pos:{pos}", child, st.spec_accepted_per_pos.get(pos, 0))
             ttft, itl, e2e = st.drain()
             for v in ttft:
                 self.time_to_first_token.observe(v)

@@ -2,7 +2,7 @@
 # One device call for all GPU benchmarks; results land in $OUT/results.tar.gz (+ suite.log).
 # Usage on the device machine: bash benchmarks/run_gpu_suite.sh
 set -u
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 R=$OUT/results; mkdir -p "$R"
 {
   echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

@@ -119,6 +119,10 @@ class EngineConfig:
     # {"method": "dflash", "model": PATH, "num_speculative_tokens": K}, a JSON string of it, "off",
     # or None (the default model uses its shipped drafter; other models run without).
     speculative_config: dict | str | None = None
+    # DFlash drafter input in MXFP8 (taps quantized, fc on the dequantized buffer); forwards of at
+    # least dflash_staged_threshold tokens quantize each tap as it is produced (staged).
+    dflash_mxfp8_input: bool = False
+    dflash_staged_threshold: int = 512
 
     def __post_init__(self) -> None:
         if self.device is None:

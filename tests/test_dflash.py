@@ -202,7 +202,8 @@ def test_dense_reference_drafter_equals_engine(default_models):
     try:
         assert eng.block_manager.allocate_for_new(seq, len(ids))
         res = eng.runner.execute(SchedulerOutput([ScheduledSeq(seq, len(ids))], []), tapper=prop.tapper)
-        prop.write_context(res.aux, res.ctx.positions, res.ctx.slot_mapping)
+        with torch.inference_mode():
+            prop.write_context(prop.drafter.fc(res.aux), res.ctx.positions, res.ctx.slot_mapping)
         seq.num_computed_tokens = len(ids)
         eng.block_manager.append_slots(seq, 8)
         pending = 42
@@ -279,3 +280,18 @@ def test_fresh_draft_state_per_request_and_rollback(tiny_ds, tmp_path):
 def test_default_target_layer_ids_formula():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(36, 1) == [18]
+
+
+def test_staged_mxfp8_drafter_input_on_off_identical(default_models):
+    """Staged MXFP8 (each tap quantized as the target produces it) vs list-and-concatenate then
+    quantize: identical drafts, so identical tokens and acceptance lengths (DESIGN invariant 4)."""
+    base, _ = default_models
+    prompts = _default_prompts(base, 6)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=96, block_size=4, dflash_mxfp8_input=True)
+    staged = LLM(dflash_staged_threshold=1, **kw)       # every forward staged
+    concat = LLM(dflash_staged_threshold=10 ** 9, **kw)  # never staged
+    a, b = staged.generate(prompts, params), concat.generate(prompts, params)
+    assert _ids(a) == _ids(b) == _ids(base.generate(prompts, params))
+    assert [o.metrics.mean_acceptance_length for o in a] == [o.metrics.mean_acceptance_length for o in b]
+    assert np.mean([o.metrics.mean_acceptance_length for o in a]) > 1.2

@@ -150,7 +150,10 @@ class LLMEngine:
                 return None
             sc = {"method": "dflash", "model": shipped}
         from longflash.spec_decode.proposer import DFlashProposer
-        proposer = DFlashProposer(sc["model"], self.model, self.dtype, self.device)
+        proposer = DFlashProposer(sc["model"], self.model, self.dtype, self.device,
+                                  mxfp8_input=self.config.dflash_mxfp8_input,
+                                  staged_threshold=self.config.dflash_staged_threshold,
+                                  max_tokens=self.config.max_num_batched_tokens)
         k = sc.get("num_speculative_tokens") or proposer.block_size - 1
         self.num_speculative_tokens = min(int(k), proposer.block_size - 1)
         logger.info("speculative decoding: DFlash drafter %s, block size %d, %d draft tokens per step, taps %s (%s)",
@@ -372,7 +375,7 @@ class LLMEngine:
                                              s.seq.block_table) for s in drafting])
             for s, d in zip(drafting, drafts):
                 s.seq.spec_token_ids = d
-        res = self.runner.execute(sched, tapper=self.proposer.tapper if self.proposer is not None else None)
+        res = self.runner.execute(sched, proposer=self.proposer)
         outputs = []
         now = time.time()
         for i, s in enumerate(sched.scheduled):

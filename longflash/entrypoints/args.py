@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--dflash-mxfp8-input", action="store_true",
+                   help="feed the DFlash drafter an MXFP8-quantized tap input (staged for large forwards)")
+    p.add_argument("--dflash-staged-threshold", type=int, default=512,
+                   help="tokens per forward from which the MXFP8 drafter input is quantized tap by tap")
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help="DFlash drafter as JSON, e.g. '{\"method\": \"dflash\", \"model\": PATH, "
                         "\"num_speculative_tokens\": 7}', or 'off' (default: the embedded model's own drafter)")
@@ -59,4 +63,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         skip_tokenizer_init=args.skip_tokenizer_init, tokenizer=args.tokenizer,
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size, enforce_eager=args.enforce_eager,
-        speculative_config=getattr(args, "speculative_config", None))
+        speculative_config=getattr(args, "speculative_config", None),
+        dflash_mxfp8_input=getattr(args, "dflash_mxfp8_input", False),
+        dflash_staged_threshold=getattr(args, "dflash_staged_threshold", 512))

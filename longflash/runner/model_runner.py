@@ -111,13 +111,18 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, spans
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, all_logits: bool = False, tapper=None) -> StepResult:
+    def execute(self, sched: SchedulerOutput, all_logits: bool = False, tapper=None, proposer=None) -> StepResult:
         """Run one step: the model over all scheduled tokens, logits of the sampled rows (of every
-        token with ``all_logits``), and the aux taps [T, K·H] when a tapper is given."""
+        token with ``all_logits``). With a ``tapper``, ``aux`` holds the concatenated taps [T, K·H];
+        with a DFlash ``proposer``, ``aux`` holds the drafter's ``fc`` outputs [T, H] instead."""
         input_ids, ctx, spans = self.prepare(sched)
         aux = None
         with set_forward_context(ctx):
-            if tapper is not None:
+            if proposer is not None:
+                with proposer.capture(input_ids.shape[0]) as holder:
+                    hidden = self.model(input_ids)
+                aux = holder.fc_out()
+            elif tapper is not None:
                 with tapper.capture() as taps:
                     hidden = self.model(input_ids)
                 aux = tapper.concat(taps)

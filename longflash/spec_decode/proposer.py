@@ -10,6 +10,7 @@ K/V is written in the same step that computes its target KV, before its block ca
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -22,7 +23,8 @@ logger = logging.getLogger("longflash")
 class DFlashProposer:
     """Args: drafter directory, the loaded target model, model dtype and device."""
 
-    def __init__(self, path: str, target, dtype: torch.dtype, device: torch.device):
+    def __init__(self, path: str, target, dtype: torch.dtype, device: torch.device, mxfp8_input: bool = False,
+                 staged_threshold: int = 512, max_tokens: int = 2048):
         self.target = target
         self.device = device
         num_layers = len(target.model.layers)
@@ -35,6 +37,19 @@ class DFlashProposer:
         self.mask_token_id = cfg.mask_token_id
         self.pool_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
         self.kv_caches: list[torch.Tensor] = []
+        # Optional MXFP8 drafter input (shared/specs/mxfp8.md): the taps are quantized to MXFP8 and
+        # fc runs on the dequantized buffer. Large forwards quantize each tap as the target produces
+        # it (staged); small ones list-and-concatenate first. Both give the same bytes.
+        self.mxfp8_input = mxfp8_input
+        self.staged_threshold = staged_threshold
+        self._staged = None
+        if mxfp8_input:
+            from longflash.spec_decode.staged_input import StagedDrafterInput, drafter_fc_compatible, mxfp8_buffers
+            widths = [cfg.hidden_size] * len(cfg.target_layer_ids)
+            self.staged_compatible = drafter_fc_compatible(self.drafter.fc, widths) and self.tapper.in_layer_order
+            data, scales, out = mxfp8_buffers(max_tokens, widths, cfg.hidden_size, device=device,
+                                              out_dtype=self.drafter.fc.weight.dtype)
+            self._staged = StagedDrafterInput(widths, self.drafter.fc.weight, data, scales, out, 0)
 
     def kv_bytes_per_token(self) -> int:
         """Draft-pool bytes per token (all draft layers, K and V)."""
@@ -49,12 +64,43 @@ class DFlashProposer:
             attn.kv_cache = torch.zeros((2, num_blocks, block_size, kvh, hd), dtype=self.pool_dtype, device=self.device)
             self.kv_caches.append(attn.kv_cache)
 
+    # ---- the target forward's taps -> fc outputs --------------------------------------------------
+    @contextmanager
+    def capture(self, num_tokens: int):
+        """Context manager around the target forward; yields a holder whose ``fc_out()`` gives
+        ``fc(concat(taps))`` [T, H] for all T tokens of the forward."""
+        holder = _FcHolder()
+        staged = False
+        if self.mxfp8_input:
+            from longflash.spec_decode.staged_input import use_staged_path
+            staged = use_staged_path(num_tokens, self.staged_threshold, torch.cuda.is_current_stream_capturing()
+                                     if torch.cuda.is_available() else False, self.staged_compatible,
+                                     target_width=self.drafter.cfg.hidden_size,
+                                     num_taps=len(self.drafter.cfg.target_layer_ids))
+        if staged:
+            self._staged.reset(num_tokens)
+            with self.tapper.capture(consumer=self._staged.add):
+                yield holder
+            holder.value = self._staged.finalize()
+        else:
+            with self.tapper.capture() as taps:
+                yield holder
+            aux = self.tapper.concat(taps).to(self.drafter.fc.weight.dtype)
+            if self.mxfp8_input:
+                from longflash.spec_decode.staged_input import concat_then_quantize
+                st = self._staged
+                holder.value = concat_then_quantize(taps=[aux], weight=st.weight, data=st.data[:num_tokens],
+                                                    scales=st.scales[:num_tokens], out=st.out[:num_tokens],
+                                                    row_chunk=st.row_chunk)
+            else:
+                holder.value = self.drafter.fc(aux)
+
     @torch.inference_mode()
-    def write_context(self, aux: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Committed tokens' taps aux [T, K·H] -> context K/V in the draft pool at their slots."""
-        if aux.shape[0] == 0:
+    def write_context(self, fc_out: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Committed tokens' fc outputs [T, H] -> hidden_norm -> context K/V in the draft pool."""
+        if fc_out.shape[0] == 0:
             return
-        h_ctx = self.drafter.context_features(aux.to(self.drafter.fc.weight.dtype))
+        h_ctx = self.drafter.hidden_norm(fc_out)
         self.drafter.write_context(h_ctx.to(self.pool_dtype), positions, slot_mapping)
 
     @torch.inference_mode()
@@ -88,3 +134,10 @@ class DFlashProposer:
             out.append(best[k:k + n])
             k += n
         return out
+
+
+class _FcHolder:
+    value: torch.Tensor | None = None
+
+    def fc_out(self) -> torch.Tensor:
+        return self.value

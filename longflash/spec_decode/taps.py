@@ -43,6 +43,7 @@ class AuxTapper:
         self.layer_ids = list(layer_ids)
         self.mode = resolve_mode(model, mode)
         self._store: dict[int, torch.Tensor] | None = None
+        self._consumer = None
         self._handles = []
         for i in set(layer_ids):
             if self.mode == "layer_output":
@@ -52,25 +53,40 @@ class AuxTapper:
             else:
                 self._handles.append(model.model.norm.register_forward_pre_hook(self._pre_hook(i)))
 
+    def _record(self, i: int, t: torch.Tensor) -> None:
+        if self._consumer is not None:
+            # Consumed at once (e.g. quantized into the staged MXFP8 input); nothing is retained.
+            for k, layer_id in enumerate(self.layer_ids):
+                if layer_id == i:
+                    self._consumer(k, t.detach())
+        elif self._store is not None:
+            self._store[i] = t.detach().clone()
+
     def _post_hook(self, i):
         def hook(module, args, output):
-            if self._store is not None:
-                self._store[i] = output.detach().clone()
+            self._record(i, output)
         return hook
 
     def _pre_hook(self, i):
         def hook(module, args):
-            if self._store is not None:
-                self._store[i] = args[0].detach().clone()
+            self._record(i, args[0])
         return hook
 
+    @property
+    def in_layer_order(self) -> bool:
+        """True when the listed ids are strictly increasing (taps then arrive in list order)."""
+        return all(a < b for a, b in zip(self.layer_ids, self.layer_ids[1:]))
+
     @contextmanager
-    def capture(self):
-        self._store = {}
+    def capture(self, consumer=None):
+        """Record taps while the target runs. With ``consumer(tap_index, tensor)`` each tap is
+        handed over as soon as the target produces it (tap_index = position in ``layer_ids``)
+        and nothing is stored; otherwise a dict layer_id -> cloned tensor is yielded."""
+        self._store, self._consumer = ({} if consumer is None else None), consumer
         try:
             yield self._store
         finally:
-            self._store = None
+            self._store, self._consumer = None, None
 
     def concat(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         return torch.cat([taps[i] for i in self.layer_ids], dim=-1)

@@ -108,7 +108,8 @@ def bench_rows(T, args, dev, timer, peak_copy, out):
     k_pe = (torch.randn(T, P, generator=g) * 3).to(torch.bfloat16).to(dev)
     slots, table, cu, t2s, nb = layout(T, bs, 16, dev)
     scale = 0.05
-    sweep = [(4, 4), (8, 4), (16, 8)] if dev.type == "cuda" else [(8, 4)]  # (rows per program, warps)
+    # (rows per program, warps); None = the wrapper's default (4096 elements per program)
+    sweep = [(None, 4), (32, 4), (128, 8)] if dev.type == "cuda" else [(None, 4)]
     for cache_dtype in (torch.bfloat16, FP8):
         esz = 1 if cache_dtype == FP8 else 2
         ks = scale if cache_dtype == FP8 else None
@@ -141,7 +142,7 @@ def bench_rows(T, args, dev, timer, peak_copy, out):
             equal = bool(torch.allclose(r.float(), k.float(), rtol=2 ** -7, atol=0))
         t_ref = timer(lambda: ops.gather_and_maybe_dequant_cache(ker_cache, table, cu, None, torch.bfloat16, ks, t2s))
         best = None
-        for bt_, nw in [(None, 4)] + [(b, w) for b, w in sweep if b != 8] if dev.type == "cuda" else [(None, 4)]:
+        for bt_, nw in sweep:
             t = timer(lambda: tk.gather_and_maybe_dequant_cache(ker_cache, table, cu, None, torch.bfloat16, ks, t2s,
                                                                 total=T, block_t=bt_, num_warps=nw))
             if best is None or t < best[0]:

@@ -6,10 +6,10 @@
   request ``token_to_seq[t]`` at its position through the block table and dequantizes (``fp8 · k_scale``).
 - ``merge_attn_states``: one program per (token, head) merges two partial results by LSE.
 
-fp8 E4M3 encoding and decoding are done with integer operations on the fp32 bits (round to nearest
-even, saturating at ±448), not with ``.to(tl.float8e4nv)``: the Triton interpreter's emulated cast
-rounds wrongly (``shared/specs/mxfp8.md``, Testing caveat), and the integer form is exact on both,
-so the kernels are byte-equal to ``torch.float8_e4m3fn`` conversion on the CPU and on the GPU.
+fp8 E4M3: on the GPU the hardware conversions (``cvt.rn.satfinite`` after clamping to ±448; the exact
+upcast). In the CPU interpreter, whose emulated fp8 cast rounds wrongly (``shared/specs/mxfp8.md``,
+Testing caveat), integer operations on the fp32 bits (round to nearest even) do the same job exactly,
+so on both the kernels are byte-equal to ``torch.float8_e4m3fn`` conversion.
 
 Unlike the references, the kernels do not check block-table bounds (that would need a host sync).
 This module imports Triton; the engine imports it only for a CUDA cache (``mla.cache_ops``), so
@@ -18,6 +18,8 @@ the first import of triton.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -57,8 +59,8 @@ def _from_e4m3_bits(b):
     m = b & 7
     normal_bits = (sign << 31) | ((e + 120) << 23) | (m << 20)
     normal = normal_bits.to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125
-    sub = tl.where(sign == 1, -sub, sub)
+    # NOTE: the sign goes in as a bit: Triton's unary minus is 0 - x, which turns -0.0 into +0.0.
+    sub = ((m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
     val = tl.where(e == 0, sub, normal)
     nan = (e == 15) & (m == 7)
     return tl.where(nan, float("nan"), val)
@@ -66,7 +68,7 @@ def _from_e4m3_bits(b):
 @triton.jit
 def _write_kernel(kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, T, stride_kvc, stride_kpe,
                   R: tl.constexpr, P: tl.constexpr, FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  FP8_MAX_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                  FP8_MAX_C: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -87,14 +89,18 @@ def _write_kernel(kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, T, stride_kvc, s
         if HAS_SCALE:
             x = tl.math.div_rn(x, scale)
         x = tl.minimum(tl.maximum(x, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(dst, _to_e4m3_bits(x).to(tl.uint8), mask=wmask)
+        if HW_FP8:  # cvt.rn.satfinite (RNE), byte-equal to torch's conversion
+            tl.store(dst, x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=wmask)
+        else:
+            tl.store(dst, _to_e4m3_bits(x).to(tl.uint8), mask=wmask)
     else:
         tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=wmask)
 
 @triton.jit
 def _gather_kernel(cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total, stride_bt,
                    block_size, W: tl.constexpr, FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   HAS_STARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HAS_STARTS: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -109,7 +115,10 @@ def _gather_kernel(cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scal
     m = tmask[:, None] & (d < W)[None, :]
     raw = tl.load(src, mask=m, other=0)
     if FP8:
-        x = _from_e4m3_bits(raw.to(tl.int32))
+        if HW_FP8:  # the upcast is exact in hardware
+            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            x = _from_e4m3_bits(raw.to(tl.int32))
         if HAS_SCALE:
             x = x * scale
     else:
@@ -150,6 +159,19 @@ def _kernels():
     return triton, _write_kernel, _gather_kernel, _merge_kernel
 
 
+def _block_d(width: int) -> int:
+    """Columns per program: a power of two dividing the row (576 -> 64, no masked lanes), else the
+    whole row padded to a power of two."""
+    p = width & -width
+    return min(p, 128) if p >= 32 else triton.next_power_of_2(width)
+
+
+def _hw_fp8(t: torch.Tensor) -> bool:
+    """Use the hardware E4M3 conversions on a GPU; the integer ones in the CPU interpreter (whose
+    emulated fp8 cast rounds wrongly)."""
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def _scale_arg(k_scale) -> tuple[float, bool]:
     if k_scale is None:
         return 1.0, False
@@ -158,7 +180,7 @@ def _scale_arg(k_scale) -> tuple[float, bool]:
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
-                         *, block_t: int = 8, num_warps: int = 4) -> None:
+                         *, block_t: int | None = None, num_warps: int = 4) -> None:
     """Triton version of :func:`longflash.attention.ops.concat_and_cache_mla` (same semantics).
     ``block_t`` (rows per program) and ``num_warps`` are tuning knobs (benchmarks sweep them)."""
     triton, write, _, _ = _kernels()
@@ -173,10 +195,12 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     fp8 = kv_cache.dtype == FP8_DTYPE
     dst = kv_cache.view(torch.uint8) if fp8 else kv_cache
     scale, has_scale = _scale_arg(k_scale)
-    BLOCK_T, BLOCK_D = block_t, triton.next_power_of_2(R + P)
+    BLOCK_D = _block_d(R + P)
+    BLOCK_T = block_t or max(1, 4096 // BLOCK_D)
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(R + P, BLOCK_D))
     write[grid](kv_c, k_pe, dst, slot_mapping, scale, T, kv_c.stride(0), k_pe.stride(0), R=R, P=P, FP8=fp8,
-                HAS_SCALE=has_scale, FP8_MAX_C=FP8_MAX, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=num_warps)
+                HAS_SCALE=has_scale, FP8_MAX_C=FP8_MAX, HW_FP8=_hw_fp8(kv_cache), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                num_warps=num_warps)
 
 
 def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
@@ -210,11 +234,12 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
     scale, has_scale = _scale_arg(k_scale)
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     starts = seq_starts if seq_starts is not None else cu_seq_lens
-    BLOCK_D = min(triton.next_power_of_2(W), 1024)
+    BLOCK_D = _block_d(W)
     BLOCK_T = block_t or max(1, 4096 // BLOCK_D)
     grid = (triton.cdiv(total, BLOCK_T), triton.cdiv(W, BLOCK_D))
     gather[grid](src, bt, cu_seq_lens, starts, token_to_seq, out, scale, total, bt.stride(0), cache.shape[1],
-                 W=W, FP8=fp8, HAS_SCALE=has_scale, HAS_STARTS=seq_starts is not None, BLOCK_T=BLOCK_T,
+                 W=W, FP8=fp8, HAS_SCALE=has_scale, HAS_STARTS=seq_starts is not None, HW_FP8=_hw_fp8(cache),
+                 BLOCK_T=BLOCK_T,
                  BLOCK_D=BLOCK_D, num_warps=num_warps)
     return out
 

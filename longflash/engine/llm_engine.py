@@ -51,7 +51,17 @@ class EngineStats:
 def load_tokenizer(path: str):
     """HF tokenizer from ``tokenizer.json``/``tokenizer_config.json`` (never runs checkpoint code)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    from transformers.utils import logging as hf_logging
+    # AutoTokenizer peeks at config.json; for model types transformers does not know (kimi_k3) it
+    # warns although the tokenizer files are complete. Silence that one call.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    tok.model_max_length = int(1e9)  # the engine enforces max_model_len itself
+    return tok
 
 
 def load_generation_config(model_dir: str) -> dict:

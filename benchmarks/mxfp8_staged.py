@@ -30,8 +30,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from longflash.ops.mxfp8 import MX_BLOCK, quantize_mxfp8_into  # noqa: E402
-from longflash.spec_decode.staged_input import (LiveTensorBytes, StagedDrafterInput,  # noqa: E402
-                                                concat_then_quantize, mxfp8_buffers, project_mxfp8)
+from longflash.ops.mxfp8 import dequantize_mxfp8  # noqa: E402
+from longflash.spec_decode.staged_input import (DEFAULT_ROW_CHUNK, LiveTensorBytes,  # noqa: E402
+                                                StagedDrafterInput, concat_then_quantize,
+                                                default_dequantize_fn, mxfp8_buffers, project_mxfp8)
 
 REF_STAGED_BYTES = 663_355_904
 REF_CONCAT_BYTES = 1_278_083_584
@@ -59,6 +61,7 @@ class Bench:
         self.dtype = torch.bfloat16
         self.row_chunk = min(args.row_chunk, self.m)
         self.reps = 3 if args.smoke else args.reps
+        self.kernel_reps = 3 if args.smoke else args.kernel_reps
         self.res: dict = {"shape": {"tokens": self.m, "tap_widths": self.widths, "out_features": self.n,
                                     "dtype": "bfloat16", "row_chunk": self.row_chunk}}
         self.out_dir = args.out
@@ -72,6 +75,13 @@ class Bench:
             except ImportError:
                 pass
         self.quantize = self.qtri if self.triton_ok else quantize_mxfp8_into
+        self.dtri = None
+        if self.triton_ok:
+            from longflash.ops.mxfp8_triton import dequantize_mxfp8_triton
+            self.dtri = dequantize_mxfp8_triton
+        # the projection's dequantizer: what project_mxfp8 picks by default on this device
+        self.dequantize = default_dequantize_fn(torch.empty(0, dtype=torch.uint8, device=self.dev), self.dtype)
+        self.dequantize_name = getattr(self.dequantize, "__name__", str(self.dequantize))
 
     # ---- helpers ---------------------------------------------------------------------------------
     def sync(self):
@@ -101,6 +111,39 @@ class Bench:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
+
+    def time_interleaved_ms(self, fns: dict, reps=None) -> dict:
+        """Median ms of each fn, run interleaved (a, b, a, b, ...; order alternating per rep) so drift in
+        clocks/temperature hits all alike; L2 flushed before each call. Also the median of the per-rep
+        ratios of the first fn over each other one (paired, robust to slow reps)."""
+        reps = reps or self.reps
+        if self._flush is None:
+            self._flush = torch.empty(256 << 20 if self.cuda else 1 << 20, dtype=torch.int8, device=self.dev)
+        names = list(fns)
+        for f in fns.values():  # warm-up
+            f()
+        self.sync()
+        times = {n: [] for n in names}
+        for r in range(reps):
+            for n in (names if r % 2 == 0 else names[::-1]):
+                self._flush.zero_()
+                if self.cuda:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fns[n]()
+                    b.record()
+                    b.synchronize()
+                    times[n].append(a.elapsed_time(b))
+                else:
+                    t0 = time.perf_counter()
+                    fns[n]()
+                    times[n].append((time.perf_counter() - t0) * 1e3)
+        out = {n: statistics.median(t) for n, t in times.items()}
+        first = names[0]
+        for n in names[1:]:
+            out[f"paired_ratio_{first}_over_{n}"] = statistics.median(x / y for x, y in zip(times[first], times[n]))
+        out["reps"] = reps
+        return out
 
     def taps(self, seed=0):
         g = torch.Generator(device=self.dev).manual_seed(seed)
@@ -146,11 +189,13 @@ class Bench:
 
     def bandwidth(self):
         m, w = self.m, self.widths[0]
+        kr = self.kernel_reps
         src = torch.randn(m, w, device=self.dev, dtype=self.dtype)
         dst = torch.empty_like(src)
-        copy_ms = self.time_ms(lambda: dst.copy_(src))
+        copy_ms = self.time_ms(lambda: dst.copy_(src), reps=kr)
         copy_bytes = 2 * src.numel() * src.element_size()
-        out = {"copy_bytes": copy_bytes, "copy_ms": copy_ms, "copy_GBps": copy_bytes / copy_ms / 1e6}
+        copy_bw = copy_bytes / copy_ms
+        out = {"copy_bytes": copy_bytes, "copy_ms": copy_ms, "copy_GBps": copy_bytes / copy_ms / 1e6, "reps": kr}
         data, scales, _ = mxfp8_buffers(m, self.widths, 1, device=self.dev)
         q_bytes = m * w * (src.element_size() + 1) + m * w // MX_BLOCK
         out["quantize_bytes"] = q_bytes
@@ -159,20 +204,44 @@ class Bench:
             ms = self.time_ms(lambda: quantize_mxfp8_into(src, data, scales, col0))
             out["reference"] = {"ms": ms, "GBps": q_bytes / ms / 1e6, "fraction_of_copy": copy_ms / ms}
             return out
-        configs = [(16, 8, 4), (8, 16, 4), (32, 4, 4), (16, 16, 8), (4, 32, 4), (32, 8, 8)]
+        from longflash.ops.mxfp8_triton import dequantize_config, quantize_config
+        table = quantize_config(m, w)
+        out["table_config"] = list(table)
+        # (block_m, groups, num_warps); None = the config table's choice (the default path)
+        configs = [None, (4, 32, 4), (8, 32, 4), (16, 32, 8), (32, 32, 8), (16, 32, 16), (8, 16, 4), (32, 16, 8)]
         if self.args.smoke:
-            configs = configs[:1]
-        roundings = ["native", "bits"] if self.cuda else ["bits"]
+            configs = configs[:2]
         rows = []
-        for rounding in roundings:
-            for bm, gr, nw in configs:
+        for rounding in (["native", "bits"] if self.cuda else ["bits"]):
+            for cfg in (configs if rounding == "native" or not self.cuda else configs[:1]):
+                bm, gr, nw = cfg or table
                 fn = lambda: self.qtri(src, data, scales, col0, rounding=rounding, block_m=bm, groups=gr, num_warps=nw)  # noqa: E731
-                ms = self.time_ms(fn)
-                rows.append({"rounding": rounding, "block_m": bm, "groups": gr, "num_warps": nw, "ms": ms,
-                             "GBps": q_bytes / ms / 1e6, "fraction_of_copy": (q_bytes / ms) / (copy_bytes / copy_ms)})
+                try:
+                    ms = self.time_ms(fn, reps=kr)
+                except Exception as e:  # a config that fails to compile must not hide the others
+                    rows.append({"rounding": rounding, "block_m": bm, "groups": gr, "num_warps": nw,
+                                 "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    continue
+                rows.append({"rounding": rounding, "block_m": bm, "groups": gr, "num_warps": nw, "table": cfg is None,
+                             "ms": ms, "GBps": q_bytes / ms / 1e6, "fraction_of_copy": (q_bytes / ms) / copy_bw})
         out["configs"] = rows
-        out["default"] = rows[0]
-        out["best"] = max(rows, key=lambda r: r["fraction_of_copy"])
+        ok = [r for r in rows if "ms" in r]
+        out["default"] = ok[0]
+        out["best"] = max(ok, key=lambda r: r["fraction_of_copy"])
+        out["goal_fraction_ge"] = 0.90
+        # dequantize one projection row chunk [row_chunk, K_total] into the bf16 scratch:
+        # fused Triton kernel (1 B read + 2 B written per element) vs the torch path (copy + in-place mul)
+        rc = self.row_chunk
+        dd = torch.randint(0, 0x7E, (rc, self.k), dtype=torch.uint8, device=self.dev)
+        sd = torch.randint(100, 140, (rc, self.k // MX_BLOCK), dtype=torch.uint8, device=self.dev)
+        scr = torch.empty(rc, self.k, dtype=self.dtype, device=self.dev)
+        d_bytes = rc * self.k * 3 + rc * self.k // MX_BLOCK
+        deq = {"rows": rc, "bytes": d_bytes, "table_config": list(dequantize_config(rc, self.k))}
+        for name, fn in (("triton", lambda: self.dtri(dd, sd, scr)), ("torch", lambda: dequantize_mxfp8(dd, sd, out=scr))):
+            ms = self.time_ms(fn, reps=kr)
+            deq[name] = {"ms": ms, "GBps": d_bytes / ms / 1e6, "fraction_of_copy": (d_bytes / ms) / copy_bw,
+                         "ms_whole_input": ms * self.m / rc}
+        out["dequantize"] = deq
         return out
 
     def bitwise(self):
@@ -205,6 +274,20 @@ class Bench:
                 dt, st = torch.empty_like(dr), torch.empty_like(sr)
                 self.qtri(x, dt, st, 0, rounding=rounding)
                 out[f"all_bf16_amax_triton_{rounding}_eq_reference"] = bool(torch.equal(dt, dr) and torch.equal(st, sr))
+            # fused Triton dequantizer vs the torch path, bytes of the bf16 scratch (NaN payloads too)
+            d_all, s_all, _ = mxfp8_buffers(self.m, self.widths, 1, device=self.dev)
+            quantize_mxfp8_into(torch.cat(taps, dim=-1), d_all, s_all, 0)
+            rows = min(self.m, 512)
+            ref_bf = dequantize_mxfp8(d_all[:rows], s_all[:rows], out=torch.empty(rows, self.k, dtype=self.dtype, device=self.dev))
+            got_bf = self.dtri(d_all[:rows], s_all[:rows], torch.empty(rows, self.k, dtype=self.dtype, device=self.dev))
+            out["triton_dequantize_eq_torch"] = bits_equal(got_bf, ref_bf)
+            # every E4M3 byte under every E8M0 byte
+            bd = torch.arange(256, dtype=torch.uint8, device=self.dev).repeat(256, 1)
+            bs = torch.arange(256, dtype=torch.uint8, device=self.dev)[:, None].repeat(1, 8)
+            out["triton_dequantize_all_bytes_eq_torch"] = bits_equal(
+                self.dtri(bd, bs, torch.empty(256, 256, dtype=self.dtype, device=self.dev)),
+                dequantize_mxfp8(bd, bs, out=torch.empty(256, 256, dtype=self.dtype, device=self.dev)))
+            del d_all, s_all, ref_bf, got_bf
         # staged vs concat, same quantizer
         ds, ss, os_ = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
         dc, sc, oc = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
@@ -216,6 +299,10 @@ class Bench:
         out["staged_eq_concat_data"] = bool(torch.equal(ds, dc))
         out["staged_eq_concat_scales"] = bool(torch.equal(ss, sc))
         out["staged_eq_concat_output"] = bits_equal(ys, yc)
+        # the default (fused) projection gives the torch-dequantizer projection's bytes
+        yt = project_mxfp8(dc, sc, w, torch.empty_like(yc), self.row_chunk,
+                           dequantize_fn=lambda d, s_, o: dequantize_mxfp8(d, s_, out=o))
+        out["default_projection_eq_torch_dequant_projection"] = bits_equal(yt, yc)
         # determinism: a second staged run
         acc.reset()
         for i, t in enumerate(taps):
@@ -270,15 +357,22 @@ class Bench:
         return res
 
     def timing(self):
+        """Whole projection (quantize all taps + dequant + GEMM), staged vs concatenated, interleaved.
+
+        Both paths use the same projection function (``project_mxfp8`` with this device's default
+        dequantizer, same row chunk, same scratch), so the difference is the quantization part
+        (per-tap kernels vs ``cat`` + one kernel)."""
         w = self.weight()
         taps = self.taps(seed=2)
         ds, ss, os_ = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
         dc, sc, oc = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
-        res = {}
-        for rc in sorted({self.row_chunk, min(self.m, 2 * self.row_chunk), max(1, self.row_chunk // 2)}):
-            scratch = torch.empty(rc, self.k, device=self.dev, dtype=self.dtype)
+        res = {"projection_fn": f"project_mxfp8 + {self.dequantize_name}", "reps": self.reps,
+               "method": "interleaved staged/concat, L2 flushed before each call, median (and median of paired ratios)"}
+        chunks = sorted({self.row_chunk, min(self.m, 2 * self.row_chunk), max(1, self.row_chunk // 2)})
+        for rc in chunks:
+            scratch = torch.empty(min(rc, self.m), self.k, device=self.dev, dtype=self.dtype)
             acc = StagedDrafterInput(self.widths, w, ds, ss, os_, self.m, row_chunk=rc, quantize_fn=self.quantize,
-                                     scratch=scratch)
+                                     scratch=scratch, dequantize_fn=self.dequantize)
 
             def staged():
                 acc.reset()
@@ -287,7 +381,8 @@ class Bench:
                 return acc.finalize()
 
             def concat():
-                return concat_then_quantize(taps, w, dc, sc, oc, row_chunk=rc, quantize_fn=self.quantize)
+                return concat_then_quantize(taps, w, dc, sc, oc, row_chunk=rc, quantize_fn=self.quantize,
+                                            scratch=scratch, dequantize_fn=self.dequantize)
 
             def staged_quant():
                 for i, t in enumerate(taps):
@@ -297,20 +392,29 @@ class Bench:
                 self.quantize(torch.cat(taps, dim=-1), dc, sc, 0)
 
             def gemm_only():
-                project_mxfp8(ds, ss, w, os_, rc, scratch)
+                project_mxfp8(ds, ss, w, os_, rc, scratch, self.dequantize)
 
-            r = {"staged_ms": self.time_ms(staged), "concat_ms": self.time_ms(concat),
-                 "staged_quantize_ms": self.time_ms(staged_quant), "concat_quantize_ms": self.time_ms(concat_quant),
-                 "project_ms": self.time_ms(gemm_only)}
-            r["ratio_staged_over_concat"] = r["staged_ms"] / r["concat_ms"]
+            def gemm_torch_dequant():
+                project_mxfp8(ds, ss, w, os_, rc, scratch, lambda d, s_, o: dequantize_mxfp8(d, s_, out=o))
+
+            whole = self.time_interleaved_ms({"staged": staged, "concat": concat})
+            quant = self.time_interleaved_ms({"staged": staged_quant, "concat": concat_quant})
+            proj = self.time_interleaved_ms({"default": gemm_only, "torch_dequant": gemm_torch_dequant})
+            r = {"staged_ms": whole["staged"], "concat_ms": whole["concat"],
+                 "ratio_staged_over_concat": whole["staged"] / whole["concat"],
+                 "paired_ratio_staged_over_concat": whole["paired_ratio_staged_over_concat"],
+                 "staged_quantize_ms": quant["staged"], "concat_quantize_ms": quant["concat"],
+                 "project_ms": proj["default"], "project_torch_dequant_ms": proj["torch_dequant"]}
             r["project_TFLOPs"] = 2 * self.m * self.k * self.n / (r["project_ms"] * 1e-3) / 1e12
             res[f"row_chunk_{rc}"] = r
-            del scratch
+            del scratch, acc
         # the plain bf16 GEMM on the concatenated bf16 input (no MX), for scale
         cat = torch.cat(taps, dim=-1)
         out = torch.empty(self.m, self.n, device=self.dev, dtype=self.dtype)
         res["bf16_gemm_ms"] = self.time_ms(lambda: torch.mm(cat, w.t(), out=out))
+        del cat
         res["default"] = res[f"row_chunk_{self.row_chunk}"]
+        res["best_row_chunk"] = min(chunks, key=lambda c: res[f"row_chunk_{c}"]["staged_ms"])
         res["goal_ratio_le"] = 1.00
         return res
 
@@ -420,12 +524,23 @@ class Bench:
         tim = r.get("timing", {})
         if "default" in tim:
             d = tim["default"]
-            lines.append(f"| projection time, quantize all taps + GEMM (ms) | {d['staged_ms']:.3f} | {d['concat_ms']:.3f} | "
-                         f"{d['ratio_staged_over_concat']:.3f} | <= 1.00 | |")
+            lines.append(f"| projection time, quantize all taps + dequant + GEMM (ms) | {d['staged_ms']:.3f} | {d['concat_ms']:.3f} | "
+                         f"{d['ratio_staged_over_concat']:.3f} (paired {d['paired_ratio_staged_over_concat']:.3f}) | <= 1.00 | |")
             lines.append(f"| quantize only (ms) | {d['staged_quantize_ms']:.3f} | {d['concat_quantize_ms']:.3f} | "
                          f"{d['staged_quantize_ms'] / d['concat_quantize_ms']:.3f} | | spec: 0.175 / 0.324 |")
-            lines.append(f"| dequant + GEMM (ms, TFLOP/s) | {d['project_ms']:.3f} ({d['project_TFLOPs']:.0f}) | "
-                         f"plain bf16 GEMM {tim['bf16_gemm_ms']:.3f} | | | spec: 0.148 + 3.04 |")
+            lines.append(f"| dequant + GEMM (ms, TFLOP/s), both paths | {d['project_ms']:.3f} ({d['project_TFLOPs']:.0f}) | "
+                         f"torch-dequant {d['project_torch_dequant_ms']:.3f}; plain bf16 GEMM {tim['bf16_gemm_ms']:.3f} | | | spec: 0.148 + 3.04 |")
+            lines.append("")
+            lines.append(f"projection function (both paths): `{tim.get('projection_fn')}`; {tim.get('method')}; "
+                         f"{tim.get('reps')} reps")
+            lines.append("")
+            lines.append("| row_chunk | staged ms | concat ms | staged/concat | paired | quantize staged / concat ms | dequant+GEMM ms (torch dequant) |")
+            lines.append("|---|---|---|---|---|---|---|")
+            for key in sorted((k for k in tim if k.startswith("row_chunk_")), key=lambda k: int(k.split("_")[-1])):
+                x = tim[key]
+                lines.append(f"| {key.split('_')[-1]} | {x['staged_ms']:.3f} | {x['concat_ms']:.3f} | {x['ratio_staged_over_concat']:.3f} | "
+                             f"{x['paired_ratio_staged_over_concat']:.3f} | {x['staged_quantize_ms']:.3f} / {x['concat_quantize_ms']:.3f} | "
+                             f"{x['project_ms']:.3f} ({x['project_torch_dequant_ms']:.3f}) |")
         bw = r.get("bandwidth", {})
         if "copy_GBps" in bw:
             lines.append("")
@@ -434,8 +549,22 @@ class Bench:
             lines.append("| quantizer (one slice) | µs | GB/s | fraction of copy BW (goal >= 0.90) |")
             lines.append("|---|---|---|---|")
             for row in bw.get("configs", []):
-                lines.append(f"| {row['rounding']} BLOCK_M={row['block_m']} GROUPS={row['groups']} warps={row['num_warps']} | "
+                tag = " (table default)" if row.get("table") else ""
+                if "error" in row:
+                    lines.append(f"| {row['rounding']} BLOCK_M={row['block_m']} GROUPS={row['groups']} warps={row['num_warps']} | "
+                                 f"error: {row['error'][:120]} | | |")
+                    continue
+                lines.append(f"| {row['rounding']} BLOCK_M={row['block_m']} GROUPS={row['groups']} warps={row['num_warps']}{tag} | "
                              f"{row['ms'] * 1e3:.1f} | {row['GBps']:.0f} | {row['fraction_of_copy']:.3f} |")
+            deq = bw.get("dequantize")
+            if deq:
+                lines.append("")
+                lines.append(f"| dequantize one row chunk ({deq['rows']} x {self.k}) into bf16 scratch | µs | GB/s (3 B/elem) | fraction of copy BW | whole input (µs) |")
+                lines.append("|---|---|---|---|---|")
+                for name in ("triton", "torch"):
+                    x = deq[name]
+                    lines.append(f"| {name}{' (fused, table ' + str(deq['table_config']) + ')' if name == 'triton' else ' (copy + mul_)'} | "
+                                 f"{x['ms'] * 1e3:.1f} | {x['GBps']:.0f} | {x['fraction_of_copy']:.3f} | {x['ms_whole_input'] * 1e3:.0f} (spec: 148) |")
             if "reference" in bw:
                 ref = bw["reference"]
                 lines.append(f"| reference (torch) | {ref['ms'] * 1e3:.1f} | {ref['GBps']:.1f} | {ref['fraction_of_copy']:.3f} |")
@@ -465,8 +594,9 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--taps", type=int, default=6)
     p.add_argument("--width", type=int, default=7168)
-    p.add_argument("--row-chunk", type=int, default=1024)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--row-chunk", type=int, default=DEFAULT_ROW_CHUNK)
+    p.add_argument("--reps", type=int, default=30, help="reps of each whole-projection timing (interleaved)")
+    p.add_argument("--kernel-reps", type=int, default=100, help="reps of each single-kernel timing")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile section")
     args = p.parse_args(argv)
     torch.manual_seed(0)

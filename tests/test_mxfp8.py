@@ -6,11 +6,16 @@ import sys
 import textwrap
 from fractions import Fraction
 
+import json
+
 import pytest
 import torch
 
 from longflash.ops.mxfp8 import (dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_into, rceil_scale_bytes,
                                  scale_bytes_to_float)
+
+# the checkout under test, for the subprocesses (whatever the installed package points at)
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _all_positive_finite_bf16() -> torch.Tensor:
@@ -182,7 +187,7 @@ def test_triton_kernel_matches_reference_under_interpreter(tmp_path):
     pytest.importorskip("triton")
     script = tmp_path / "mxfp8_interpret.py"
     script.write_text(_INTERPRET_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
@@ -201,3 +206,135 @@ def test_dequantize_in_place_equals_fp32_product_then_cast():
         got = dequantize_mxfp8(data, scales, out=scratch)
         assert got.data_ptr() == scratch.data_ptr()
         assert torch.equal(got.view(torch.int16), f32.to(dt).view(torch.int16))
+
+
+_DEQUANT_INTERPRET_SCRIPT = textwrap.dedent("""
+    import torch
+    from longflash.ops.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+    from longflash.ops.mxfp8_triton import dequantize_mxfp8_triton
+
+    def check(data, scales, **kw):
+        m, k = data.shape
+        ref = dequantize_mxfp8(data, scales, out=torch.full((m, k), 3.0, dtype=torch.bfloat16))
+        wide = torch.full((m, k + 64), 5.0, dtype=torch.bfloat16)      # a view with row stride > K
+        got = dequantize_mxfp8_triton(data, scales, wide[:, 32:32 + k], **kw)
+        assert got.data_ptr() == wide[:, 32:].data_ptr()
+        assert torch.equal(ref.view(torch.int16), got.view(torch.int16)), (data.shape, kw,
+            (ref.view(torch.int16) != got.view(torch.int16)).nonzero()[:5])
+        assert (wide[:, :32] == 5.0).all() and (wide[:, 32 + k:] == 5.0).all()
+
+    # every E4M3 byte (both NaNs, -0, subnormals) under every E8M0 scale byte (0 = 2^-127 subnormal,
+    # 254 overflows fp32 for large elements, 255 = NaN): bf16 rounding of subnormal products included
+    sb = torch.arange(256, dtype=torch.uint8)
+    data = torch.arange(256, dtype=torch.uint8).repeat(256, 1)                 # [256 scales, 256 bytes]
+    scales = sb[:, None].repeat(1, 8)
+    check(data, scales)
+    check(data, scales, block_m=32, groups=4, num_warps=4)
+    check(data[:37, :96].contiguous(), scales[:37, :3].contiguous(), block_m=16, groups=2)  # masked tiles
+    # quantized random data over a wide range, one token, M not a multiple of the tile, K = 7168 + 32
+    torch.manual_seed(0)
+    for m, k in [(1, 32), (7, 96), (19, 7168 + 32)]:
+        x = torch.randn(m, k) * torch.logspace(-40, 36, m)[:, None]
+        check(*quantize_mxfp8(x.to(torch.bfloat16)))
+    print("TRITON_DEQUANT_INTERPRET_OK")
+""")
+
+
+def test_triton_dequantize_matches_reference_under_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    script = tmp_path / "mxfp8_dequant_interpret.py"
+    script.write_text(_DEQUANT_INTERPRET_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "TRITON_DEQUANT_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_config_table():
+    from longflash.ops.mxfp8_triton import dequantize_config, quantize_config
+    assert quantize_config(4096, 7168) == (8, 32, 8)          # 1024-wide tiles, 7 per row, no column mask
+    assert dequantize_config(2048, 43008) == (16, 32, 8)
+    for m, k in [(1, 32), (3, 96), (4096, 7168), (17, 7168 + 32), (64, 43008), (5, 2048)]:
+        for bm, g, w in (quantize_config(m, k), dequantize_config(m, k)):
+            assert (k // 32) % g == 0 and bm & (bm - 1) == 0 and g & (g - 1) == 0 and bm <= max(1, 2 * m)
+            assert w in (1, 2, 4, 8)
+
+
+_SM90_CONFIGS = [  # (kernel, BLOCK_M, groups, warps, even, bits_rounding, input dtype)
+    ("quantize", 8, 32, 8, True, False, "bf16"), ("quantize", 16, 32, 8, True, False, "bf16"),
+    ("quantize", 4, 32, 4, True, False, "bf16"), ("quantize", 16, 16, 8, False, False, "bf16"),
+    ("quantize", 8, 32, 8, True, True, "bf16"), ("quantize", 8, 8, 4, False, False, "fp32"),
+    ("quantize", 1, 1, 1, False, False, "fp16"),
+    ("dequantize", 16, 32, 8, True, False, "u8"), ("dequantize", 8, 32, 4, True, False, "u8"),
+    ("dequantize", 16, 32, 8, False, False, "u8"), ("dequantize", 8, 8, 4, True, True, "u8"),
+]
+
+
+def _compile_sm90() -> dict:
+    """Compile both MXFP8 kernels for sm_90 with Triton's bundled ptxas (no GPU needed): catches what
+    the interpreter cannot (reshape/reduce layouts, the fp8 cast's lowering, vectorization).
+    Returns {config: {"ok": bool, "error"?, "ld_v4"/"st_v4"/"convert_layout" counts}}."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import longflash.ops.mxfp8_triton as mt
+    out = {}
+    for kind, bm, g, warps, even, bits, dt in _SM90_CONFIGS:
+        if kind == "quantize":
+            kern = mt._kernel()
+            ptrs = {"x_ptr": "*" + dt, "data_ptr": "*u8", "scales_ptr": "*u8"}
+            ints = ["M", "K", "stride_xm", "stride_dm", "stride_sm", "col0", "group0"]
+            consts = dict(BLOCK_M=bm, BLOCK_K=32 * g, EVEN_M=even, EVEN_K=even, BITS_ROUNDING=bits,
+                          IS_BF16=dt == "bf16")
+        else:
+            kern = mt._dequant_kernel()
+            ptrs = {"data_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*bf16"}
+            ints = ["M", "K", "stride_dm", "stride_sm", "stride_om"]
+            consts = dict(BLOCK_M=bm, BLOCK_K=32 * g, EVEN_M=even, EVEN_K=even, BITS_ROUNDING=bits)
+        sig = dict(ptrs, **{n: "i32" for n in ints}, **{c: "constexpr" for c in consts})
+        idx = kern.arg_names.index
+        # divisibility as Triton specializes it at launch: pointers, strides, K and col0 are multiples
+        # of 16 at the production shapes (M need not be)
+        src = ASTSource(fn=kern, signature=sig, constexprs={(idx(n),): v for n, v in consts.items()},
+                        attrs={(idx(n),): [["tt.divisibility", 16]] for n in list(ptrs) + ints[1:]})
+        key = f"{kind},BM={bm},G={g},warps={warps},even={even},bits={bits},{dt}"
+        try:
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+            ptx, ttgir = c.asm.get("ptx", ""), c.asm.get("ttgir", "")
+            out[key] = {"ok": bool(c.asm.get("cubin")),
+                        "ld_v4": len(re.findall(r"ld\.global[.a-z]*\.v4", ptx)),
+                        "ld_v2": len(re.findall(r"ld\.global[.a-z]*\.v2", ptx)),
+                        "st_v4": len(re.findall(r"st\.global[.a-z]*\.v4", ptx)),
+                        "convert_layout": ttgir.count("convert_layout"),
+                        "cvt_e4m3": len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx)),
+                        "ftz": ptx.count(".ftz")}
+        except Exception as e:  # reported by the test
+            out[key] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    return out
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
+        pytest.skip("Triton's bundled ptxas is not available")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, __file__, "--compile-sm90"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(res) == len(_SM90_CONFIGS) and all(v["ok"] for v in res.values()), res
+    for key, v in res.items():
+        assert v["ftz"] == 0, key                     # subnormals are kept (no flush-to-zero)
+        if "even=True" in key and "bf16" in key:      # production tiles: wide accesses, no shuffle of data
+            assert v["ld_v4"] > 0 and v["st_v4"] > 0 and v["convert_layout"] <= 1, (key, v)
+            assert v["cvt_e4m3"] > 0 if "bits=False" in key else v["cvt_e4m3"] == 0, (key, v)
+        if key.startswith("dequantize") and "even=True" in key:
+            # 8-byte loads of E4M3 bytes in the layout of the 16-byte bf16 stores; only the tiny
+            # scale tile changes layout
+            assert v["ld_v2"] > 0 and v["st_v4"] > 0 and v["convert_layout"] <= 1, (key, v)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--compile-sm90"]:
+    print(json.dumps(_compile_sm90()))

@@ -203,3 +203,31 @@ def test_accumulator_under_torch_compile_fullgraph():
     taps2 = _taps(m, widths, dtype=torch.float32, seed=7)
     got2 = compiled(*taps2).clone()
     assert _bits_equal(got2, step(*taps2))
+
+
+def test_projection_dequantizer_choice_and_override():
+    """CPU default is the torch dequantizer; a caller-given one (e.g. the fused Triton kernel on CUDA)
+    is used by both paths, and a byte-identical dequantizer gives bitwise-identical outputs."""
+    assert si.default_dequantize_fn(torch.empty(0, dtype=torch.uint8), torch.bfloat16) is si._dequantize_torch
+    assert si.DEFAULT_ROW_CHUNK == 2048
+    widths, n, m = [64, 96], 16, 7
+    weight = torch.randn(n, sum(widths), dtype=torch.bfloat16)
+    taps = _taps(m, widths)
+    calls = []
+
+    def dq(d, s, o):
+        calls.append(d.shape[0])
+        return dequantize_mxfp8(d, s, out=o)
+
+    data, scales, out = mxfp8_buffers(m, widths, n)
+    acc = StagedDrafterInput(widths, weight, data, scales, out, m, row_chunk=3, dequantize_fn=dq)
+    for i, t in enumerate(taps):
+        acc.add(i, t)
+    y = acc.finalize()
+    assert calls == [3, 3, 1]
+    dc, sc, oc = mxfp8_buffers(m, widths, n)
+    yc = concat_then_quantize(taps, weight, dc, sc, oc, row_chunk=3, dequantize_fn=dq,
+                              scratch=torch.empty(3, sum(widths), dtype=torch.bfloat16))
+    assert calls == [3, 3, 1, 3, 3, 1] and _bits_equal(y, yc)
+    d2, s2, o2 = mxfp8_buffers(m, widths, n)
+    assert _bits_equal(concat_then_quantize(taps, weight, d2, s2, o2, row_chunk=3), y)   # default dequantizer

@@ -1,19 +1,30 @@
-"""MXFP8 quantizer as a Triton kernel — same signature and bytes as ``longflash.ops.mxfp8``.
+"""MXFP8 quantizer and dequantizer as Triton kernels — same signatures and bytes as ``longflash.ops.mxfp8``.
 
 ``quantize_mxfp8_into_triton(hidden, data, scales, col0)`` writes columns ``[col0, col0 + K)`` of
-``data [M, K_total]`` and the matching scale columns, exactly like ``quantize_mxfp8_into``. One program
-handles a ``[BLOCK_M, GROUPS, 32]`` tile: amax per group (NaN mapped to +inf first, since ``tl.max``
-drops NaN on sm90), RCEIL scale byte from the fp32 bits of amax, elements scaled by the exact power of
-two ``2^(127 - b)`` and rounded to E4M3.
+``data [M, K_total]`` and the matching scale columns, exactly like ``quantize_mxfp8_into``.
+``dequantize_mxfp8_triton(data, scales, out)`` writes ``bf16(e4m3 * 2^(b - 127))`` into a bf16 ``out``
+(e.g. the projection's bounded scratch) in one pass: the bytes of ``dequantize_mxfp8(..., out=bf16)``.
 
-E4M3 rounding has two implementations, selected by ``rounding``:
+Both kernels run one program per (row block, column block): a ``[BLOCK_M, BLOCK_K]`` tile
+(``BLOCK_K = 32 * groups``) is loaded as one 2-D block with wide contiguous accesses, reshaped to
+``[BLOCK_M, groups, 32]`` for the per-group work, and written back as a 2-D tile (scales as a
+``[BLOCK_M, groups]`` tile). Base offsets are int64, in-tile offsets int32. Tiles come from a fixed
+config table keyed by the slice width K (``quantize_config`` / ``dequantize_config``; no autotuning, so
+launches are deterministic and capture/compile friendly); keyword args override it.
+
+Quantizer: amax per group (NaN mapped to +inf first, since ``tl.max`` drops NaN on sm90), RCEIL scale
+byte from the fp32 bits of amax, elements scaled by the exact power of two ``2^(127 - b)`` and rounded
+to E4M3. E4M3 rounding has two implementations, selected by ``rounding``:
   * ``"bits"``: round-to-nearest-even with integer operations on the fp32 bits (exact everywhere,
     including ``TRITON_INTERPRET=1``, whose emulated ``.to(tl.float8e4nv)`` rounds wrongly);
   * ``"native"``: the hardware cast (``cvt.rn.satfinite`` on sm90) after clamping to ±448.
   Default: ``"bits"`` under the interpreter, ``"native"`` on a GPU. Both give the reference's bytes.
+The dequantizer decodes E4M3 with integer operations (exact), multiplies by the fp32 scale (one
+rounding-free fp32 product, as the torch path computes it) and rounds to bf16 with the hardware cast on
+a GPU (``"native"``) or integer round-to-nearest-even in the interpreter (``"bits"``).
 
-Subnormal inputs: the kernel uses plain fp32 multiplies (no libdevice), which Triton's NVIDIA
-backend compiles without flush-to-zero, so bf16/fp32 subnormals scale exactly as in the reference.
+Subnormals: the kernels use plain fp32 multiplies (no libdevice), which Triton's NVIDIA backend compiles
+without flush-to-zero, so subnormal inputs and products are exact as in the reference.
 
 Triton is imported lazily, so the package imports on installs without it.
 """
@@ -25,9 +36,10 @@ import torch
 
 from longflash.ops.mxfp8 import MX_BLOCK, _check_into_args
 
-DEFAULT_BLOCK_M = 16
-DEFAULT_GROUPS = 8
-DEFAULT_NUM_WARPS = 4
+# Fallback tile when no keyword override is given and K matches no table row (see quantize_config).
+DEFAULT_BLOCK_M = 8
+DEFAULT_GROUPS = 32
+DEFAULT_NUM_WARPS = 8
 
 
 def triton_available() -> bool:
@@ -42,21 +54,68 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Built on first use. NOTE: a plain global (not functools.lru_cache) so that torch.compile traces
-# ``quantize_mxfp8_into_triton`` as a call of a user-defined Triton kernel without graph breaks.
+# Config tables: (block_m, groups, num_warps) by slice width K. Each program moves BLOCK_M * 32 *
+# groups elements (16-32 KiB of bf16 in flight with 8 warps: 32 elements per thread, i.e. four 16-byte
+# loads and two 16-byte stores). groups is the largest of 32/16/8/4/2/1 dividing K / 32, so the column
+# mask disappears (EVEN_K); K = 7168 = 7 * 1024 gives 1024-wide tiles.
+_QUANT_TILE_ELEMS = 8192
+_DEQUANT_TILE_ELEMS = 16384
+
+
+def _pick_groups(num_groups: int) -> int:
+    for g in (32, 16, 8, 4, 2, 1):
+        if num_groups % g == 0:
+            return g
+    return 1
+
+
+def _table(m: int, k: int, tile_elems: int) -> tuple[int, int, int]:
+    groups = _pick_groups(max(1, k // MX_BLOCK))
+    block_m = max(1, min(tile_elems // (MX_BLOCK * groups), 64))
+    while block_m > 1 and block_m // 2 >= m:  # decode-sized M: no more than half the tile's rows empty
+        block_m //= 2  # (a loop, not int.bit_length, so torch.compile can trace it with symbolic M)
+    elems = block_m * groups * MX_BLOCK
+    num_warps = 8 if elems >= 8192 else (4 if elems >= 2048 else (2 if elems >= 512 else 1))
+    return block_m, groups, num_warps
+
+
+def quantize_config(m: int, k: int) -> tuple[int, int, int]:
+    """(block_m, groups, num_warps) for quantizing an [m, k] slice. K = 7168: (8, 32, 8)."""
+    return _table(m, k, _QUANT_TILE_ELEMS)
+
+
+def dequantize_config(m: int, k: int) -> tuple[int, int, int]:
+    """(block_m, groups, num_warps) for dequantizing [m, k]. K = 43008: (16, 32, 8)."""
+    return _table(m, k, _DEQUANT_TILE_ELEMS)
+
+
+# Built on first use. NOTE: plain globals (not functools.lru_cache) so that torch.compile traces the
+# launchers as calls of user-defined Triton kernels without graph breaks.
 _KERNEL = None
+_DEQUANT_KERNEL = None
 _KERNEL_INTERPRETED = False
 
 
 def _kernel():
-    global _KERNEL, _KERNEL_INTERPRETED
+    global _KERNEL, _DEQUANT_KERNEL, _KERNEL_INTERPRETED
     if _KERNEL is None:
         _KERNEL_INTERPRETED = _interpreting()
-        _KERNEL = _build_kernel()
+        _KERNEL, _DEQUANT_KERNEL = _build_kernels()
     return _KERNEL
 
 
-def _build_kernel():
+def _dequant_kernel():
+    if _DEQUANT_KERNEL is None:
+        _kernel()
+    return _DEQUANT_KERNEL
+
+
+def _check_tile_offsets(block_m: int, *strides: int) -> None:
+    if block_m * max(max(strides), 1) >= 2 ** 31:
+        raise ValueError(f"block_m={block_m} x row stride {max(strides)} overflows the kernel's int32 in-tile offsets")
+
+
+def _build_kernels():
     import triton
     import triton.language as tl
 
@@ -83,37 +142,63 @@ def _build_kernel():
         mag = tl.minimum(mag, 0x7E)  # saturate (unreachable with RCEIL; kept for safety)
         return sign | mag
 
+    @triton.jit
+    def _bf16_bits_rne(v):
+        """fp32 -> bf16 bits (int32), round-to-nearest-even. NaN -> 0xFFFF, the NaN of ATen's
+        vectorized CPU fp32 -> bf16 conversion, which the CPU torch path produces (on a GPU both the
+        torch path and the hardware cast give the canonical 0x7FFF)."""
+        bits = v.to(tl.int32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(v != v, 0xFFFF, r & 0xFFFF)
+
     # NOTE: Triton resolves callee names through the module globals (jit and interpreter alike),
-    # so the helper defined in this lazy factory is published there before the kernel is built.
+    # so the helpers defined in this lazy factory are published there before the kernels are built.
     globals()["_e4m3_bits"] = _e4m3_bits
+    globals()["_bf16_bits_rne"] = _bf16_bits_rne
 
     @triton.jit
     def _quantize_mxfp8_kernel(
         x_ptr, data_ptr, scales_ptr,
-        M, NUM_GROUPS,
+        M, K,
         stride_xm, stride_dm, stride_sm,
         col0, group0,
-        BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, BITS_ROUNDING: tl.constexpr, IS_BF16: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr,
+        BITS_ROUNDING: tl.constexpr, IS_BF16: tl.constexpr,
     ):
+        G: tl.constexpr = BLOCK_K // 32
         pid_m = tl.program_id(0)
-        pid_g = tl.program_id(1)
-        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        groups = pid_g * GROUPS + tl.arange(0, GROUPS)
-        lanes = tl.arange(0, 32)
-        row_ok = rows < M
-        grp_ok = groups < NUM_GROUPS
-        mask2 = row_ok[:, None] & grp_ok[None, :]
-        mask3 = mask2[:, :, None]
-        cols = (groups[:, None] * 32 + lanes[None, :]).to(tl.int64)  # [GROUPS, 32] within the slice
-        x_offs = rows[:, None, None] * stride_xm + cols[None, :, :]
-        if IS_BF16:
-            # bf16 -> fp32 is a 16-bit shift; done on the bits because the interpreter's bf16 cast
-            # mangles subnormals (9.2e-41 -> 0). Identical to the hardware conversion on a GPU.
-            xb = tl.load(x_ptr.to(tl.pointer_type(tl.uint16)) + x_offs, mask=mask3, other=0)
-            x = (xb.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        pid_k = tl.program_id(1)
+        # int64 only for the tile's base (row0 * stride can exceed 2^31); in-tile offsets are int32
+        # (the launcher checks BLOCK_M * stride < 2^31), which keeps address math cheap and lets the
+        # compiler prove contiguity for wide vector loads/stores.
+        row0 = pid_m.to(tl.int64) * BLOCK_M
+        k0 = pid_k * BLOCK_K
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        rg = tl.arange(0, G)
+        x_tile = x_ptr + row0 * stride_xm + k0
+        d_tile = data_ptr + row0 * stride_dm + col0 + k0
+        s_tile = scales_ptr + row0 * stride_sm + group0 + pid_k * G
+        x_offs = rm[:, None] * stride_xm + rk[None, :]
+        d_offs = rm[:, None] * stride_dm + rk[None, :]
+        s_offs = rm[:, None] * stride_sm + rg[None, :]
+        if EVEN_M and EVEN_K:
+            if IS_BF16:
+                # bf16 -> fp32 is a 16-bit shift; done on the bits because the interpreter's bf16 cast
+                # mangles subnormals (9.2e-41 -> 0). Identical to the hardware conversion on a GPU.
+                xb = tl.load(x_tile.to(tl.pointer_type(tl.uint16)) + x_offs)
+                x = (xb.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                x = tl.load(x_tile + x_offs).to(tl.float32)
         else:
-            x = tl.load(x_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32)
-        ax = tl.abs(x)
+            mask = (rm < M - row0)[:, None] & (rk < K - k0)[None, :]
+            if IS_BF16:
+                xb = tl.load(x_tile.to(tl.pointer_type(tl.uint16)) + x_offs, mask=mask, other=0)
+                x = (xb.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                x = tl.load(x_tile + x_offs, mask=mask, other=0.0).to(tl.float32)
+        x3 = tl.reshape(x, (BLOCK_M, G, 32))
+        ax = tl.abs(x3)
         ax = tl.where(ax != ax, float("inf"), ax)  # NaN -> +inf before the max
         amax = tl.max(ax, axis=2)
         abits = amax.to(tl.int32, bitcast=True)
@@ -124,28 +209,94 @@ def _build_kernel():
         sbyte = tl.where(nan_block, 0xFF, sbyte)
         inv_bits = tl.where(nan_block, 127, tl.minimum(tl.maximum(254 - sbyte, 1), 254)) << 23
         inv = inv_bits.to(tl.float32, bitcast=True)
-        q = x * inv[:, :, None]
+        q = x3 * inv[:, :, None]
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         if BITS_ROUNDING:
             qb = _e4m3_bits(q)
+            qb = tl.where(nan_block[:, :, None], 0x7F, qb).to(tl.uint8)
         else:
-            qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        qb = tl.where(nan_block[:, :, None], 0x7F, qb)
-        tl.store(data_ptr + rows[:, None, None] * stride_dm + col0 + cols[None, :, :],
-                 qb.to(tl.uint8), mask=mask3)
-        tl.store(scales_ptr + rows[:, None] * stride_sm + group0 + groups[None, :].to(tl.int64),
-                 sbyte.to(tl.uint8), mask=mask2)
+            qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            qb = tl.where(nan_block[:, :, None], 0x7F, qb)
+        qb = tl.reshape(qb, (BLOCK_M, BLOCK_K))
+        sb = sbyte.to(tl.uint8)
+        if EVEN_M and EVEN_K:
+            tl.store(d_tile + d_offs, qb)
+            tl.store(s_tile + s_offs, sb)
+        else:
+            tl.store(d_tile + d_offs, qb, mask=mask)
+            smask = (rm < M - row0)[:, None] & (rg < (K - k0) // 32)[None, :]
+            tl.store(s_tile + s_offs, sb, mask=smask)
 
-    return _quantize_mxfp8_kernel
+    @triton.jit
+    def _dequantize_mxfp8_kernel(
+        data_ptr, scales_ptr, out_ptr,
+        M, K,
+        stride_dm, stride_sm, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr,
+        BITS_ROUNDING: tl.constexpr,
+    ):
+        """MXFP8 -> bf16, one pass: bf16(fp32(e4m3) * 2^(b - 127)), the torch path's exact bytes."""
+        G: tl.constexpr = BLOCK_K // 32
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        row0 = pid_m.to(tl.int64) * BLOCK_M
+        k0 = pid_k * BLOCK_K
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        rg = tl.arange(0, G)
+        d_tile = data_ptr + row0 * stride_dm + k0
+        s_tile = scales_ptr + row0 * stride_sm + pid_k * G
+        o_tile = out_ptr + row0 * stride_om + k0
+        # NOTE: the byte loads are declared 8-contiguous (not 16) so that Triton picks the layout of
+        # the 8 x bf16 (16-byte) stores for them too: no shared-memory layout conversion in between.
+        d_offs = rm[:, None] * stride_dm + tl.max_contiguous(rk, 8)[None, :]
+        s_offs = rm[:, None] * stride_sm + rg[None, :]
+        o_offs = rm[:, None] * stride_om + rk[None, :]
+        if EVEN_M and EVEN_K:
+            b = tl.load(d_tile + d_offs).to(tl.int32)
+            sb = tl.load(s_tile + s_offs).to(tl.int32)
+        else:
+            mask = (rm < M - row0)[:, None] & (rk < K - k0)[None, :]
+            smask = (rm < M - row0)[:, None] & (rg < (K - k0) // 32)[None, :]
+            b = tl.load(d_tile + d_offs, mask=mask, other=0).to(tl.int32)
+            sb = tl.load(s_tile + s_offs, mask=smask, other=127).to(tl.int32)
+        # E4M3 -> fp32 exactly, with integer ops (valid in the interpreter and on every GPU).
+        sign = (b & 0x80) << 24
+        e = (b >> 3) & 0xF
+        mt = b & 0x7
+        normal = (sign | ((e + 120) << 23) | (mt << 20)).to(tl.float32, bitcast=True)
+        sub = mt.to(tl.float32) * 0.001953125  # 2^-9 * mantissa (exact), sign set on the bits (-0.0 too)
+        sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, sub, normal)
+        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+        # E8M0 -> fp32: byte 0 is the subnormal 2^-127, 0xFF is NaN.
+        sbits = tl.where(sb == 0, 0x00400000, sb << 23)
+        sbits = tl.where(sb == 0xFF, 0x7FC00000, sbits)
+        scale = sbits.to(tl.float32, bitcast=True)
+        v3 = tl.reshape(v, (BLOCK_M, G, 32)) * scale[:, :, None]
+        v = tl.reshape(v3, (BLOCK_M, BLOCK_K))
+        if BITS_ROUNDING:
+            o = _bf16_bits_rne(v).to(tl.uint16)
+            o_ptrs = o_tile.to(tl.pointer_type(tl.uint16)) + o_offs
+        else:
+            o = v.to(tl.bfloat16)
+            o_ptrs = o_tile + o_offs
+        if EVEN_M and EVEN_K:
+            tl.store(o_ptrs, o)
+        else:
+            tl.store(o_ptrs, o, mask=mask)
+
+    return _quantize_mxfp8_kernel, _dequantize_mxfp8_kernel
 
 
 def quantize_mxfp8_into_triton(hidden: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, col0: int = 0, *,
-                               rounding: str | None = None, block_m: int = DEFAULT_BLOCK_M,
-                               groups: int = DEFAULT_GROUPS, num_warps: int = DEFAULT_NUM_WARPS) -> None:
+                               rounding: str | None = None, block_m: int | None = None,
+                               groups: int | None = None, num_warps: int | None = None) -> None:
     """Triton twin of ``longflash.ops.mxfp8.quantize_mxfp8_into`` (same args, same bytes, same errors).
 
     Extra keyword args: ``rounding`` in {None, "bits", "native"} (see module doc); tile shape
-    ``block_m`` rows x ``groups`` groups of 32 per program; ``num_warps``.
+    ``block_m`` rows x ``groups`` groups of 32 per program (powers of two) and ``num_warps``;
+    None takes ``quantize_config(M, K)``.
     """
     data_u8 = _check_into_args(hidden, data, scales, col0)
     if hidden.stride(1) != 1:
@@ -156,16 +307,76 @@ def quantize_mxfp8_into_triton(hidden: torch.Tensor, data: torch.Tensor, scales:
     if rounding not in ("bits", "native"):
         raise ValueError(f"rounding must be 'bits' or 'native', got {rounding!r}")
     m, k = hidden.shape
-    num_groups = k // MX_BLOCK
     if m == 0 or k == 0:
         return
-    grid = ((m + block_m - 1) // block_m, (num_groups + groups - 1) // groups)
+    tb, tg, tw = quantize_config(m, k)
+    block_m = tb if block_m is None else block_m
+    groups = tg if groups is None else groups
+    num_warps = tw if num_warps is None else num_warps
+    block_k = groups * MX_BLOCK
+    _check_tile_offsets(block_m, hidden.stride(0), data_u8.stride(0), scales.stride(0))
+    grid = (triton_cdiv(m, block_m), triton_cdiv(k, block_k))
     kernel[grid](
         hidden, data_u8, scales,
-        m, num_groups,
+        m, k,
         hidden.stride(0), data_u8.stride(0), scales.stride(0),
         col0, col0 // MX_BLOCK,
-        BLOCK_M=block_m, GROUPS=groups, BITS_ROUNDING=(rounding == "bits"),
-        IS_BF16=(hidden.dtype == torch.bfloat16),
+        BLOCK_M=block_m, BLOCK_K=block_k, EVEN_M=(m % block_m == 0), EVEN_K=(k % block_k == 0),
+        BITS_ROUNDING=(rounding == "bits"), IS_BF16=(hidden.dtype == torch.bfloat16),
         num_warps=num_warps,
     )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def dequantize_mxfp8_triton(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *,
+                            rounding: str | None = None, block_m: int | None = None, groups: int | None = None,
+                            num_warps: int | None = None) -> torch.Tensor:
+    """Fused MXFP8 -> bf16 into ``out`` (one pass); bytes of ``dequantize_mxfp8(data, scales, out=out)``.
+
+    Args:
+        data: [M, K] uint8 / float8_e4m3fn (last dim contiguous); scales: [M, K / 32] uint8.
+        out: [M, K] bf16, last dim contiguous (e.g. a row-chunk view of the projection scratch).
+        rounding: bf16 rounding, None (native on a GPU, integer RNE in the interpreter), "bits", "native".
+        block_m / groups / num_warps: tile override; None takes ``dequantize_config(M, K)``.
+    Returns:
+        ``out``.
+    """
+    if data.dtype == torch.float8_e4m3fn:
+        data = data.view(torch.uint8)
+    if data.dtype != torch.uint8 or data.dim() != 2:
+        raise TypeError(f"data must be a 2-D uint8/float8_e4m3fn tensor, got {data.dtype} {tuple(data.shape)}")
+    m, k = data.shape
+    if k % MX_BLOCK != 0 or scales.dtype != torch.uint8 or tuple(scales.shape) != (m, k // MX_BLOCK):
+        raise ValueError(f"scales {scales.dtype} {tuple(scales.shape)} do not match data {tuple(data.shape)}")
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, k):
+        raise ValueError(f"out must be bf16 [{m}, {k}], got {out.dtype} {tuple(out.shape)}")
+    if data.stride(1) != 1 or scales.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("data, scales and out must be contiguous along the last dimension")
+    if not (data.device == scales.device == out.device):
+        raise ValueError("data, scales and out must be on one device")
+    kernel = _dequant_kernel()
+    if rounding is None:
+        rounding = "bits" if (_KERNEL_INTERPRETED or not data.is_cuda) else "native"
+    if rounding not in ("bits", "native"):
+        raise ValueError(f"rounding must be 'bits' or 'native', got {rounding!r}")
+    if m == 0 or k == 0:
+        return out
+    tb, tg, tw = dequantize_config(m, k)
+    block_m = tb if block_m is None else block_m
+    groups = tg if groups is None else groups
+    num_warps = tw if num_warps is None else num_warps
+    block_k = groups * MX_BLOCK
+    _check_tile_offsets(block_m, data.stride(0), scales.stride(0), out.stride(0))
+    grid = (triton_cdiv(m, block_m), triton_cdiv(k, block_k))
+    kernel[grid](
+        data, scales, out,
+        m, k,
+        data.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_K=block_k, EVEN_M=(m % block_m == 0), EVEN_K=(k % block_k == 0),
+        BITS_ROUNDING=(rounding == "bits"),
+        num_warps=num_warps,
+    )
+    return out

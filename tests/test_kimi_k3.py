@@ -90,12 +90,13 @@ def test_nested_conditional_generation_checkpoint_loads(tmp_path, caplog):
     assert _rel(llm.engine.score(p), want) <= 1e-4
 
 
-def test_kda_config_is_rejected(tmp_path):
+def test_overlapping_kda_and_full_attn_lists_are_rejected(tmp_path):
+    # KDA layers themselves are supported (tests/test_kda*.py); the 1-based lists must partition the layers.
     cfg = default_model_config(**SMALL)
     _save_random(tmp_path / "kda", cfg)
     cfg["linear_attn_config"]["kda_layers"] = [1, 2]
     (tmp_path / "kda" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="KDA layers are not supported yet"):
+    with pytest.raises(ValueError, match="must partition"):
         LLM(str(tmp_path / "kda"), skip_tokenizer_init=True, dtype="float32", num_gpu_blocks=16)
 
 

@@ -130,11 +130,16 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache capacity of {capacity} "
                                  f"tokens; lower --max-model-len or raise --kv-cache-memory")
             self.max_model_len = config.max_model_len
-        self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and self.model.recurrent_state_layers():
+            logger.info("prefix caching disabled: the model has linear-attention (KDA) layers whose recurrent state "
+                        "is not checkpointed at block boundaries")
+            prefix_caching = False
+        self.block_manager = BlockManager(self.num_blocks, bs, prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device,
-                                  config.calculate_kv_scales, config.context_workspace_rows)
+                                  config.calculate_kv_scales, config.context_workspace_rows, config.max_num_seqs)
         if self.proposer is not None:
             self.proposer.allocate(self.num_blocks, bs)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -201,6 +206,8 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "max_concurrency": round(self.num_blocks / per_req_blocks, 2),
             **self._kv_scale_report(),
+            "recurrent_state_bytes_per_request": pool.bytes_per_request if (pool := self.runner.state_pool) else 0,
+            "recurrent_state_bytes": pool.total_bytes if pool else 0,
         }
 
     def _kv_scale_report(self) -> dict:
@@ -232,6 +239,10 @@ class LLMEngine:
                     r["kv_cache_blocks"], self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
                     r["kv_cache_bytes"] / 2**20)
         logger.info("maximum concurrency for %d tokens per request: %.2fx", r["max_model_len"], r["max_concurrency"])
+        if r["recurrent_state_bytes"]:
+            logger.info("KDA recurrent state: %d bytes per request, %.1f MiB for %d slots",
+                        r["recurrent_state_bytes_per_request"], r["recurrent_state_bytes"] / 2**20,
+                        self.runner.state_pool.num_slots)
         logger.info("KV capacity of this budget by cache dtype: %s tokens; context workspace %d rows",
                     r["kv_capacity_tokens_by_dtype"], r["context_workspace_rows"])
         if r["k_scales"] is not None:
@@ -307,6 +318,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.abort(request_id)
+        self.runner.free_state(request_id)
         seq.finish_reason = seq.finish_reason or "abort"
         return True
 
@@ -352,6 +364,7 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(seq)
         finally:
             self.block_manager.free(seq)
+            self.runner.free_state(seq.request_id)
         return torch.cat(pieces)
 
     def _score_cached_prefix(self, seq: Sequence, cached: int) -> torch.Tensor:
@@ -377,6 +390,8 @@ class LLMEngine:
         requests that produced tokens or finished (cumulative text and token ids)."""
         sched = self.scheduler.schedule(self._lookahead if self.proposer is not None else None)
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        for seq in sched.preempted:
+            self.runner.free_state(seq.request_id)
         if not sched.scheduled:
             return []
         drafting = [s for s in sched.scheduled if s.num_lookahead_tokens]
@@ -407,6 +422,8 @@ class LLMEngine:
                 seq.spec_token_ids = []
                 if s.num_lookahead_tokens:
                     self.block_manager.truncate(seq, seq.num_computed_tokens)
+                    if self.runner.state_pool is not None:  # KDA state after the last accepted token
+                        self.runner.state_pool.commit(seq.request_id, committed)
                 self.block_manager.cache_full_blocks(seq)
                 if not tokens:
                     continue
@@ -476,6 +493,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, now: float) -> None:
         self.scheduler.finish(seq)
+        self.runner.free_state(seq.request_id)
         seq.metrics.finished_time = now
         self.stats.e2e.append(now - seq.metrics.arrival_time)
         self.stats.request_success[seq.finish_reason] = self.stats.request_success.get(seq.finish_reason, 0) + 1

@@ -43,6 +43,10 @@ class CausalLM(nn.Module):
         """Modules holding a ``kv_cache`` attribute, in layer order."""
         return [m for m in self.modules() if hasattr(m, "kv_cache")]
 
+    def recurrent_state_layers(self) -> list[nn.Module]:
+        """Linear-attention (KDA) modules holding per-request recurrent state, in layer order."""
+        return [m for m in self.modules() if hasattr(m, "state_shapes")]
+
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError
 

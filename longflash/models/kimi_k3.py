@@ -3,7 +3,8 @@
 Checkpoint names and config keys: ``shared/specs/kimi_k3_checkpoint.md``; order of operations of
 Block AttnRes: ``shared/specs/attnres_kimi.md``. Accepts ``KimiK3ForConditionalGeneration`` (nested
 ``text_config``, ``language_model.`` prefix; vision towers skipped) and text-only ``KimiK3ForCausalLM``.
-KDA (linear attention) layers are not supported yet and are rejected with a clear error. Routed experts
+KDA (linear attention) layers (``linear_attn_config.kda_layers``, 1-based) are built by
+``models/kimi_linear.py``'s ``make_kda`` (``layers/kda.py``); MLA layers are the others. Routed experts
 may be MXFP4-packed (``quantization_config`` compressed-tensors ``mxfp4-pack-quantized``; ``layers/mxfp4.py``).
 """
 
@@ -25,6 +26,7 @@ from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters
 from longflash.models.attn_res_plan import ATTN_MIX, MLP_MIX, attn_res_plan, execute_plan
 from longflash.models.base import CausalLM, KVCacheSpec
+from longflash.models.kimi_linear import kda_layer_ids, make_kda, mla_kv_cache_spec
 
 logger = logging.getLogger("longflash")
 
@@ -44,9 +46,7 @@ def text_config(config: dict) -> dict:
 
 def check_supported(cfg: dict) -> None:
     """Raises ValueError for config values this engine does not implement."""
-    lac = cfg.get("linear_attn_config") or {}
-    if lac.get("kda_layers"):
-        raise ValueError("KDA layers are not supported yet (linear_attn_config.kda_layers is non-empty)")
+    kda_layer_ids(cfg)  # raises for lists that do not partition the layers
     if cfg.get("attn_res_block_size") is None:
         raise ValueError("unsupported config value attn_res_block_size=null (plain residual Kimi models)")
     if cfg.get("quantization_config"):
@@ -57,10 +57,10 @@ class KimiK3DecoderLayer(nn.Module):
     """One decoder layer: gated MLA, dense (``mlp``) or latent MoE (``block_sparse_moe``) FFN, and
     its AttnRes weights ``self_attention_res_{norm,proj}`` and ``mlp_res_{norm,proj}``."""
 
-    def __init__(self, cfg: dict, layer_idx: int, rotary: RotaryEmbedding | None):
+    def __init__(self, cfg: dict, layer_idx: int, rotary: RotaryEmbedding | None, is_kda: bool = False):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
-        self.self_attn = MLAAttention(
+        self.self_attn = make_kda(cfg) if is_kda else MLAAttention(
             H, cfg["num_attention_heads"], cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
             cfg["qk_rope_head_dim"], cfg["v_head_dim"], eps, rotary,
             (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5,
@@ -111,7 +111,8 @@ class KimiK3Model(nn.Module):
                                      cfg.get("max_position_embeddings", 4096),
                                      interleave=cfg.get("rope_interleave", False))
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], H)
-        self.layers = nn.ModuleList(KimiK3DecoderLayer(cfg, i, rotary) for i in range(cfg["num_hidden_layers"]))
+        kda = kda_layer_ids(cfg)
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(cfg, i, rotary, i in kda) for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(H, eps)
         self.output_attn_res_norm = RMSNorm(H, eps)
         self.output_attn_res_proj = nn.Linear(H, 1, bias=False)
@@ -173,7 +174,7 @@ class KimiK3ForCausalLM(CausalLM):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config
-        return KVCacheSpec(c["num_hidden_layers"], (c["kv_lora_rank"] + c["qk_rope_head_dim"],), 1)
+        return mla_kv_cache_spec(c, c["num_hidden_layers"] - len(kda_layer_ids(c)))
 
     def remap_checkpoint_name(self, name: str) -> str | None:
         if name.startswith("language_model."):

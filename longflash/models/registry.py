@@ -10,11 +10,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("longflash.models.qwen3", "Qwen3ForCausalLM"),
     "KimiK3ForCausalLM": ("longflash.models.kimi_k3", "KimiK3ForCausalLM"),
     "KimiK3ForConditionalGeneration": ("longflash.models.kimi_k3", "KimiK3ForCausalLM"),
+    "KimiLinearForCausalLM": ("longflash.models.kimi_linear", "build_kimi_linear"),
 }
 
 # model_type values that imply an architecture when ``architectures`` is absent.
 _MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "kimi_k3": "KimiK3ForCausalLM"}
+                "kimi_k3": "KimiK3ForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
 
 
 def register_model(architecture: str, module: str, cls: str, model_type: str | None = None) -> None:

@@ -10,6 +10,7 @@ import torch
 from longflash.engine.scheduler import SchedulerOutput
 from longflash.models.base import CausalLM
 from longflash.runner.context import ForwardContext, set_forward_context
+from longflash.runner.state_pool import RecurrentStatePool
 
 logger = logging.getLogger("longflash")
 
@@ -35,11 +36,13 @@ class ModelRunner:
         device: where tensors live.
         calculate_kv_scales: each attention layer sets its fp8 ``k_scale`` from its first batch.
         context_workspace_rows: W of chunked-context prefill (None = the layers' default).
+        max_num_seqs: requests that may hold linear-attention (KDA) state at once; the model's
+            ``state_pool`` (None without KDA layers) gets one more slot for ``LLMEngine.score``.
     """
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
                  device: torch.device, calculate_kv_scales: bool = False,
-                 context_workspace_rows: int | None = None):
+                 context_workspace_rows: int | None = None, max_num_seqs: int = 64):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -55,6 +58,14 @@ class ModelRunner:
             if context_workspace_rows is not None and hasattr(layer, "context_workspace_rows"):
                 layer.context_workspace_rows = context_workspace_rows
             self.kv_caches.append(cache)
+        kda_layers = model.recurrent_state_layers()
+        self.state_pool = (RecurrentStatePool(kda_layers, max_num_seqs + 1, next(model.parameters()).dtype, device)
+                           if kda_layers else None)
+
+    def free_state(self, request_id: str) -> None:
+        """Return a request's recurrent-state slot (finished, aborted, preempted); no-op without one."""
+        if self.state_pool is not None:
+            self.state_pool.free(request_id)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, list[tuple[int, int]]]:
         """Build input ids and the forward context.
@@ -108,6 +119,9 @@ class ModelRunner:
             block_size=bs,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
         )
+        if self.state_pool is not None:
+            ctx.extras["state_slots"] = [self.state_pool.slot_for(s.seq.request_id) for s in sched.scheduled]
+            ctx.extras["state_verify"] = [s.num_lookahead_tokens > 0 for s in sched.scheduled]
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, spans
 
     @torch.inference_mode()

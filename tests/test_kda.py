@@ -133,7 +133,10 @@ def test_kimi_linear_greedy_batched_chunked_preempted_equal_hf(kimi_linear):
     alone = LLM(path, num_gpu_blocks=128, **kw)
     assert [alone.generate([p], GREEDY32)[0].outputs[0].token_ids for p in prompts] == refs
     assert not alone.engine.block_manager.enable_prefix_caching  # turned off for hybrid models
+    # 3 KDA layers x (fp32 state 2 heads x 16 x 16 + fp32 conv state 3*32 channels x 3)
     assert alone.engine.startup_report()["recurrent_state_bytes_per_request"] == 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)
+    from longflash.runner.state_pool import state_bytes_per_request
+    assert state_bytes_per_request(alone.engine.model.recurrent_state_layers(), torch.float32) == 3 * 3200
     batched = LLM(path, num_gpu_blocks=128, max_num_batched_tokens=5, **kw)  # chunked prefill, 5-token budget
     assert [o.outputs[0].token_ids for o in batched.generate(prompts, GREEDY32)] == refs
     small = LLM(path, num_gpu_blocks=24, max_num_batched_tokens=16, **kw)  # forces preemption (recompute)

@@ -117,6 +117,9 @@ class LLMEngine:
             num_blocks = config.num_gpu_blocks
         else:
             budget = config.kv_cache_memory or self._default_kv_budget()
+            if not config.kv_cache_memory and self.model.recurrent_state_layers():  # the KDA state pool comes first
+                from longflash.runner.state_pool import state_bytes_per_request
+                budget -= state_bytes_per_request(self.model.recurrent_state_layers(), self.dtype) * (config.max_num_seqs + 1)
             num_blocks = budget // (self.kv_bytes_per_token * bs)
         if num_blocks < 1:
             raise ValueError("the KV cache memory budget holds no block; raise --kv-cache-memory")

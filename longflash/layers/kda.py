@@ -186,6 +186,13 @@ class KimiDeltaAttention(nn.Module):
         self.state_pool = None
         self.state_layer: int = -1
 
+    def keep_fp32_(self) -> None:
+        """Cast the tensors that Kimi checkpoints store in F32 (``A_log``, ``dt_bias``, ``{q,k,v}_conv1d``,
+        ``o_norm``) back to fp32 after the model was cast to bf16 (the loader calls this)."""
+        self.A_log = self.A_log.float()
+        for p in (self.dt_bias, self.o_norm.weight, self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight):
+            p.data = p.data.float()
+
     # ---- loading ----------------------------------------------------------------------------------
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Loader hook for ``A_log``. Raises ValueError for another name or a shape without H values."""

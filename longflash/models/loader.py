@@ -78,6 +78,8 @@ def build_model(config: dict, dtype: torch.dtype, device: torch.device) -> Causa
     for m in model.modules():  # routers stay fp32 (HF keeps them fp32 too)
         if hasattr(m, "e_score_correction_bias"):
             m.float()
+        if hasattr(m, "keep_fp32_"):  # e.g. KDA A_log, dt_bias, conv kernels, o_norm (F32 in the checkpoint)
+            m.keep_fp32_()
     return model.to_empty(device=device)
 
 

@@ -9,7 +9,9 @@ Each running request holds one slot; a slot holds, for every KDA layer, the fp32
 - speculative verify: the layers advance the state over all B verified tokens and record, per layer,
   the state before the verify and the delta-rule inputs of the B tokens (``record_verify``); ``commit``
   then replays the accepted prefix (n <= B tokens) with the recurrent form, so the slot holds the state
-  after the last accepted token — bitwise the state that n target-only decode steps would give.
+  after the last accepted token — the same recurrence, in the same order, as n target-only decode steps
+  (the inputs come from the verify forward's projections; no extra model forward is needed).
+  Memory of the record: one state copy per layer plus [B, 3P + H*(2*dk + dv + 1)] values, freed at commit.
 
 Prefix caching is not possible for these models (states are not checkpointed at block boundaries);
 the engine turns it off with one log line.
@@ -20,6 +22,15 @@ from __future__ import annotations
 import torch
 
 from longflash.layers.kda import kda_recurrent
+
+
+def state_bytes_per_request(layers: list, dtype: torch.dtype) -> int:
+    """Bytes of recurrent (fp32) + conv (``dtype``) state of one request over ``layers`` (KDA modules)."""
+    total = 0
+    for layer in layers:
+        rec_shape, conv_shape = layer.state_shapes()
+        total += 4 * torch.Size(rec_shape).numel() + torch.empty((), dtype=dtype).element_size() * torch.Size(conv_shape).numel()
+    return total
 
 
 class RecurrentStatePool:

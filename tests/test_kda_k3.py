@@ -158,3 +158,17 @@ def test_k3_tiny_dflash_verify_with_state_rollback_equals_target_only(k3_tiny, t
     assert eng.stats.spec_num_accepted_tokens > 0
     pool = eng.runner.state_pool
     assert len(pool._free) == pool.num_slots and not pool._verify
+
+
+def test_flat_kimi_linear_architecture_with_attn_res_is_built_as_k3(k3_tiny, tmp_path):
+    """K3's text config on its own (architectures KimiLinearForCausalLM, no language_model. prefix) is the
+    same model: the registry's build_kimi_linear dispatches on attn_res_block_size."""
+    from safetensors.torch import load_file
+    sd = {k[len("language_model."):]: v for k, v in load_file(f"{k3_tiny}/model.safetensors").items()}
+    (tmp_path / "config.json").write_text(json.dumps(TEXT))
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    flat = LLM(str(tmp_path), num_gpu_blocks=64, **KW)
+    nested = LLM(k3_tiny, num_gpu_blocks=64, **KW)
+    assert type(flat.engine.model).__name__ == "KimiK3ForCausalLM"
+    p = PROMPTS[2]
+    assert torch.equal(flat.engine.score(p), nested.engine.score(p))

@@ -12,7 +12,8 @@ Output: ``o_proj(RMSNorm_dv(o) * sigmoid(gate))`` with the gate from ``g_proj`` 
 
 Two forms with the same result (tested against each other): ``kda_recurrent`` (one token at a time,
 decode and speculative verify) and ``kda_chunked`` (WY/UT-transform chunks, prefill). Both are
-PyTorch references (the CPU path); no Triton kernel exists yet.
+PyTorch references (the CPU path); ``layers/kda_triton.py`` has the recurrent form as a Triton kernel
+(used for decode/verify on CUDA); the chunked form has no kernel yet.
 
 State in the engine (``runner/state_pool.py``): per request and KDA layer, the recurrent state
 [H, dk, dv] fp32 and the conv state [3P, K-1] (the last K-1 raw q|k|v projections). A request whose
@@ -141,6 +142,14 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return o, S
 
 
+def _recurrent_fn(device: torch.device):
+    """The Triton recurrent kernel on CUDA (``layers/kda_triton.py``), the reference elsewhere."""
+    if device.type == "cuda":
+        from longflash.layers.kda_triton import kda_recurrent_triton
+        return kda_recurrent_triton
+    return kda_recurrent
+
+
 class KimiDeltaAttention(nn.Module):
     """One KDA layer with checkpoint names (``shared/specs/kimi_k3_checkpoint.md`` §4, Kimi-Linear):
     ``{q,k,v}_proj``, ``{q,k,v}_conv1d`` [P, 1, K], ``f_a_proj``, ``f_b_proj``, ``b_proj``, ``g_proj`` (full
@@ -254,7 +263,7 @@ class KimiDeltaAttention(nn.Module):
             mixed, c1 = causal_conv1d(raw[s:e], c0, w)
             q, k, v, g, beta = self.kernel_inputs(mixed, f[s:e], b[s:e])
             if ctx.is_decode[i]:
-                o[s:e], S1 = kda_recurrent(q, k, v, g, beta, S0, self.scale)
+                o[s:e], S1 = _recurrent_fn(x.device)(q, k, v, g, beta, S0, self.scale)
             else:
                 o[s:e], S1 = kda_chunked(q, k, v, g, beta, S0, self.scale, self.chunk_size)
             if slot is not None:

@@ -17,6 +17,8 @@ from torch import nn
 
 from longflash.attention import ops
 from longflash.attention.chunked_context import DEFAULT_CONTEXT_WORKSPACE_ROWS, plan_context_chunks
+from longflash.distributed import dcp as dcp_ops
+from longflash.distributed.comm import get_parallel_state
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding
 from longflash.runner.context import get_forward_context
@@ -118,6 +120,12 @@ class MLAAttention(nn.Module):
     def _decode(self, q_nope, q_pe, b, ctx, w_uk, w_uv) -> torch.Tensor:
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         q_abs = torch.cat([q_lat, q_pe], dim=-1)
+        ps = get_parallel_state()
+        if ps.dcp_size > 1:  # local shard + LSE combine over the DCP group (heads replicated)
+            o_lat, _ = dcp_ops.dcp_mla_decode(
+                q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
+                self.scale, self.kv_lora_rank, ps.dcp, ps.cp_kv_cache_interleave_size, self._k_scale())
+            return torch.einsum("thr,hvr->thv", o_lat, w_uv)
         o_lat, _ = ops.mla_decode_attention(
             q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
             self.scale, self.kv_lora_rank, self._k_scale())
@@ -130,6 +138,10 @@ class MLAAttention(nn.Module):
         cached context [0, context_len) attends non-causally through workspace chunks of at most
         ``context_workspace_rows`` rows (``chunked_context.plan_context_chunks``), dequantized by the
         gather; the partial results merge by LSE.
+        Under DCP every rank computes the new tokens in full; the context part runs over this rank's
+        shard (local lengths, same block table), and the per-rank context results are combined by LSE
+        over the DCP group before the merge with the new-token part (non-causal context, so the key
+        split across ranks needs no reordering).
         """
         H, nope, vd = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
         qsl = ctx.query_start_loc_cpu
@@ -140,8 +152,16 @@ class MLAAttention(nn.Module):
             s, e = qsl[b], qsl[b + 1]
             k, v = self._up_project(kv_c[s:e], k_pe[s:e])
             run_out[b], run_lse[b] = ops.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=0)
-        plan = plan_context_chunks([ctx.context_lens_cpu[b] for b in reqs], self.context_workspace_rows,
-                                   self.kv_cache.shape[1])
+        ctx_lens = [ctx.context_lens_cpu[b] for b in reqs]
+        ps = get_parallel_state()
+        sharded = ps.dcp_size > 1 and sum(ctx_lens) > 0
+        if sharded:
+            ctx_lens = dcp_ops.dcp_local_seq_lens(ctx_lens, ps.dcp_size, ps.cp_kv_cache_interleave_size)[
+                :, ps.dcp_rank].tolist()
+            final_out, final_lse = run_out, run_lse
+            run_out = {b: q.new_zeros(qsl[b + 1] - qsl[b], H, vd) for b in reqs}
+            run_lse = {b: torch.full((qsl[b + 1] - qsl[b], H), float("-inf"), device=q.device) for b in reqs}
+        plan = plan_context_chunks(ctx_lens, self.context_workspace_rows, self.kv_cache.shape[1])
         reqs_t = torch.tensor(reqs, dtype=torch.int64, device=ctx.block_table.device)
         for chunk in plan:
             idx, cu, starts = chunk.gather_args(ctx.block_table.device)
@@ -155,6 +175,16 @@ class MLAAttention(nn.Module):
                 o, lse = ops.attention_with_lse(q[s:e], k_all[r0:r1], v_all[r0:r1], self.scale, causal_offset=None)
                 run_out[b], run_lse[b] = kernels.merge_attn_states(o, lse, run_out[b], run_lse[b])
             del rows, k_all, v_all
+        if sharded:
+            o, lse = dcp_ops.dcp_decode_combine_group(torch.cat([run_out[b] for b in reqs]),
+                                                      torch.cat([run_lse[b] for b in reqs]), ps.dcp)
+            r0 = 0
+            for b in reqs:
+                r1 = r0 + qsl[b + 1] - qsl[b]
+                final_out[b], final_lse[b] = kernels.merge_attn_states(o[r0:r1], lse[r0:r1], final_out[b],
+                                                                       final_lse[b])
+                r0 = r1
+            run_out = final_out
         for b in reqs:
             out[qsl[b]:qsl[b + 1]] = run_out[b]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
 _timeout_s = DEFAULT_TIMEOUT_S  # the timeout of the default group, reused for subgroups
+_store = None                  # the rendezvous store (rank 0 hosts it unless torchrun's agent does)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -93,17 +95,23 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, mas
         if dist.get_rank() != de.rank or dist.get_world_size() != de.world_size:
             raise RuntimeError("a process group with another rank/world size already exists")
         return de
-    dist.init_process_group(backend=backend, init_method=f"tcp://{de.master_addr}:{de.master_port}",
-                            rank=de.rank, world_size=de.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    global _store
+    td = datetime.timedelta(seconds=timeout_s)
+    # NOTE: under torchrun the agent already serves a store on MASTER_PORT; every rank is a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    _store = dist.TCPStore(de.master_addr, de.master_port, de.world_size,
+                           is_master=de.rank == 0 and not agent_store, timeout=td)
+    dist.init_process_group(backend=backend, store=_store, rank=de.rank, world_size=de.world_size, timeout=td)
     _timeout_s = timeout_s
     return de
 
 
 def destroy_distributed() -> None:
     """Leave the default process group (no-op if none)."""
+    global _store, _state
     if dist.is_initialized():
         dist.destroy_process_group()
+    _store, _state = None, None
 
 
 class GroupCoordinator:
@@ -175,10 +183,12 @@ class GroupCoordinator:
 
 @dataclass
 class ParallelState:
-    """This rank's TP and DCP groups (``dcp`` = consecutive ranks inside the TP group)."""
+    """This rank's TP and DCP groups (``dcp`` = consecutive ranks inside the TP group) and the DCP
+    KV layout's ``cp_kv_cache_interleave_size``."""
 
     tp: GroupCoordinator
     dcp: GroupCoordinator
+    cp_kv_cache_interleave_size: int = 1
 
     @property
     def dcp_rank(self) -> int:
@@ -202,15 +212,25 @@ def single_process_state() -> ParallelState:
     return ParallelState(GroupCoordinator([0], 0), GroupCoordinator([0], 0))
 
 
-def initialize_model_parallel(tp_size: int, dcp_size: int) -> ParallelState:
+_state: ParallelState | None = None
+
+
+def get_parallel_state() -> ParallelState:
+    """The state set by :func:`initialize_model_parallel`; TP 1 / DCP 1 when none was."""
+    return _state if _state is not None else single_process_state()
+
+
+def initialize_model_parallel(tp_size: int, dcp_size: int, cp_kv_cache_interleave_size: int = 1) -> ParallelState:
     """Create the TP and DCP groups on an initialized default group of ``tp_size`` ranks.
 
     Every rank must call this (``new_group`` is collective). Raises ValueError when the world size
     is not ``tp_size`` or ``dcp_size`` does not divide it.
     """
+    global _state
     groups = dcp_group_ranks(tp_size, dcp_size)
     if tp_size == 1:
-        return single_process_state()
+        _state = single_process_state()
+        return _state
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs init_distributed first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -223,5 +243,45 @@ def initialize_model_parallel(tp_size: int, dcp_size: int) -> ParallelState:
         g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=_timeout_s)) if dcp_size > 1 else None
         if rank in ranks:
             dcp = GroupCoordinator(ranks, ranks.index(rank), g)
-    return ParallelState(tp, dcp)
+    _state = ParallelState(tp, dcp, cp_kv_cache_interleave_size)
+    return _state
+
+
+class StepChannel:
+    """Rank 0 (the scheduler) sends each step's batch to the workers, in order.
+
+    ``post(obj)`` on rank 0 / ``recv()`` on the others. A worker polls the rendezvous store for the
+    next step's key (naps up to ``MAX_NAP_S``), so an idle engine never trips the collective timeout; the
+    payload then travels by ``broadcast_object``. If rank 0 dies, the store connection breaks and
+    ``recv`` raises. ``post(None)`` tells the workers to stop.
+    """
+
+    MAX_NAP_S = 0.02
+
+    def __init__(self, group: GroupCoordinator, prefix: str = "longflash/step"):
+        if _store is None and group.world_size > 1:
+            raise RuntimeError("StepChannel needs init_distributed first")
+        self.group = group
+        self.prefix = prefix
+        self.step = 0
+
+    def post(self, obj) -> None:
+        self.step += 1
+        if self.group.world_size > 1:
+            _store.set(f"{self.prefix}/{self.step}", b"1")
+            self.group.broadcast_object(obj, src=0)
+
+    def recv(self):
+        self.step += 1
+        key = f"{self.prefix}/{self.step}"
+        nap = 1e-4
+        while not _store.check([key]):   # raises if rank 0 (the store's host) is gone
+            time.sleep(nap)
+            nap = min(nap * 2, self.MAX_NAP_S)
+        obj = self.group.broadcast_object(None, src=0)
+        # NOTE: the last worker to pass a step deletes its keys, so the store does not grow.
+        if _store.add(f"{key}/ack", 1) == self.group.world_size - 1:
+            _store.delete_key(key)
+            _store.delete_key(f"{key}/ack")
+        return obj
 

@@ -118,7 +118,7 @@ def _hf_greedy(hf, prompt, n):
 def test_kimi_linear_prefill_logits_equal_hf(kimi_linear):
     path, hf = kimi_linear
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4, num_gpu_blocks=128)
-    for p in PROMPTS:
+    for p in PROMPTS + [[(i * 7919) % 250 + 3 for i in range(150)]]:  # 150 tokens: three KDA chunks of 64
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0].float()
         assert _rel(llm.engine.score(p), want) <= 1e-4

@@ -121,23 +121,24 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     beta = beta.view(-1, C, H).permute(2, 0, 1)
     q = q * scale
     G = g.cumsum(-2)
-    decay = (G.unsqueeze(-2) - G.unsqueeze(-3))  # [H, N, C(i), C(j), dk] = G_i - G_j
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), -1)
     causal = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
-    decay = torch.where(causal[..., None], decay, torch.full_like(decay, float("-inf"))).exp()
-    kk = torch.einsum("hnid,hnjd,hnijd->hnij", k, k, decay)
-    L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    Tinv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
-    u = Tinv @ (beta.unsqueeze(-1) * v)
-    w = Tinv @ (beta.unsqueeze(-1) * k * G.exp())
-    Aqk = torch.einsum("hnid,hnjd,hnijd->hnij", q, k, decay).masked_fill(~causal, 0)
-    out = torch.empty_like(u)
+    out = q.new_empty(H, q.shape[1], C, dv)
+    # NOTE: one chunk at a time, so the [H, C, C, dk] decay tensor is the peak (not [H, T, C, dk]).
     for n in range(q.shape[1]):
-        v_new = u[:, n] - w[:, n] @ S
-        out[:, n] = (q[:, n] * G[:, n].exp()) @ S + Aqk[:, n] @ v_new
-        G_last = G[:, n, -1]  # [H, dk]
-        S = S * G_last.exp().unsqueeze(-1) + (k[:, n] * (G_last.unsqueeze(1) - G[:, n]).exp()).transpose(-1, -2) @ v_new
+        qn, kn, vn, Gn, bn = q[:, n], k[:, n], v[:, n], G[:, n], beta[:, n]
+        decay = Gn.unsqueeze(-2) - Gn.unsqueeze(-3)  # [H, C(i), C(j), dk] = G_i - G_j
+        decay = torch.where(causal[..., None], decay, torch.full_like(decay, float("-inf"))).exp()
+        L = (bn.unsqueeze(-1) * torch.einsum("hid,hjd,hijd->hij", kn, kn, decay)).masked_fill(~strict, 0)
+        Tinv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+        u = Tinv @ (bn.unsqueeze(-1) * vn)
+        w = Tinv @ (bn.unsqueeze(-1) * kn * Gn.exp())
+        Aqk = torch.einsum("hid,hjd,hijd->hij", qn, kn, decay).masked_fill(~causal, 0)
+        v_new = u - w @ S
+        out[:, n] = (qn * Gn.exp()) @ S + Aqk @ v_new
+        G_last = Gn[:, -1]  # [H, dk]
+        S = S * G_last.exp().unsqueeze(-1) + (kn * (G_last.unsqueeze(1) - Gn).exp()).transpose(-1, -2) @ v_new
     o[:] = out.permute(1, 2, 0, 3).reshape(-1, H, dv)[:T]
     return o, S
 

@@ -8,12 +8,17 @@ R=$OUT/results; mkdir -p "$R"
   echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$R/device.txt" 2>&1
-run() { name=$1; shift; echo "=== $name: $*"; start=$(date +%s); timeout "$@" > "$R/$name.log" 2>&1; rc=$?; echo "=== $name rc=$rc $(( $(date +%s) - start ))s"; tail -n 25 "$R/$name.log"; }
-run kv_cache_ops 110 python3 benchmarks/kv_cache_ops.py --out "$R"
-run mxfp8_staged 120 python3 benchmarks/mxfp8_staged.py --out "$R"
-run attn_res_harness 110 python3 benchmarks/attn_res_harness.py --out "$R"
-run mxfp4_moe 110 python3 benchmarks/mxfp4_moe.py --out "$R" --no-sweep
-run generate_cuda 60 python3 -m longflash.entrypoints.cli generate --prompt "def fibonacci(n):" --max-tokens 32
-cp "$R"/*.log "$R"/device.txt "$OUT/" 2>/dev/null
-tar czf "$OUT/results.tar.gz" -C "$OUT" results
+run() {
+  name=$1; shift; echo "=== $name: $*"; start=$(date +%s)
+  timeout "$@" > "$R/$name.log" 2>&1; rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - start ))s"; tail -n 25 "$R/$name.log"
+  tar czf "$OUT/results.tar.gz" -C "$OUT" results  # refreshed after every step: a later timeout loses nothing
+}
+run kv_cache_ops 80 python3 benchmarks/kv_cache_ops.py --out "$R"
+run mxfp8_staged 100 python3 benchmarks/mxfp8_staged.py --out "$R"
+run attn_res_harness 100 python3 benchmarks/attn_res_harness.py --out "$R"
+run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py
+run dflash_bench_code 70 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind code --kv-cache-memory 8GiB --output-json "$R/dflash_bench_code.json"
+run dflash_bench_prose 70 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind prose --kv-cache-memory 8GiB --output-json "$R/dflash_bench_prose.json"
+cp "$R"/device.txt "$OUT/" 2>/dev/null
 rm -rf "$R"; ls -la "$OUT"

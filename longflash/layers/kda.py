@@ -72,6 +72,17 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     return F.silu(y).t().to(x.dtype), xe[:, xe.shape[1] - (K - 1):]
 
 
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token for each of B requests: ``causal_conv1d`` batched.
+
+    Args: x [B, C]; conv_state [B, C, K-1]; weight [C, K].
+    Returns: (SiLU(conv) [B, C] in x's dtype, new conv states [B, C, K-1]).
+    """
+    xe = torch.cat([conv_state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
+    y = F.conv1d(xe.to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])[:, :, 0]  # [B, C]
+    return F.silu(y).to(x.dtype), xe[:, :, 1:]
+
+
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent KDA, one token at a time (decode, speculative verify, state replay).
@@ -237,6 +248,23 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(f, self.A_log[:H], self.dt_bias, d, self.gate_lower_bound)
         return l2norm(q), l2norm(k), v, g, torch.sigmoid(b.float())
 
+    def _batched_decode(self, reqs: list[int], rows: list[int], slots: list[int], raw: torch.Tensor,
+                        f: torch.Tensor, b: torch.Tensor, w: torch.Tensor, o: torch.Tensor) -> None:
+        """One token for each of B requests whose state is in the pool: gather, step, scatter."""
+        H, d, B = self.num_heads, self.head_dim, len(rows)
+        pool, layer = self.state_pool, self.state_layer
+        rows_t = torch.tensor(rows, dtype=torch.long, device=raw.device)
+        slots_t = torch.tensor(slots, dtype=torch.long, device=raw.device)
+        S0, c0 = pool.recurrent[layer][slots_t], pool.conv[layer][slots_t]
+        mixed, c1 = causal_conv1d_update(raw[rows_t], c0, w)
+        q, k, v, g, beta = self.kernel_inputs(mixed, f[rows_t], b[rows_t])  # [B, H, d], beta [B, H]
+        ob, S1 = _recurrent_fn(raw.device)(q.reshape(1, B * H, d), k.reshape(1, B * H, d), v.reshape(1, B * H, d),
+                                           g.reshape(1, B * H, d), beta.reshape(1, B * H),
+                                           S0.reshape(B * H, d, d), self.scale)
+        o[rows_t] = ob.view(B, H, d)
+        pool.recurrent[layer][slots_t] = S1.view(B, H, d, d)
+        pool.conv[layer][slots_t] = c1.to(pool.conv[layer].dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         T, H, d = x.shape[0], self.num_heads, self.head_dim
@@ -251,9 +279,19 @@ class KimiDeltaAttention(nn.Module):
         pool = self.state_pool
         rec_shape, conv_shape = self.state_shapes()
         qsl = ctx.query_start_loc_cpu
+        batched = []
+        if pool is not None and slots is not None:
+            # NOTE: plain decodes (one token, state in the pool, not a verify) run as one batch: the B
+            # requests' heads are stacked into B*H heads of one recurrent call.
+            batched = [i for i in range(ctx.num_reqs) if ctx.is_decode[i] and qsl[i + 1] - qsl[i] == 1
+                       and ctx.context_lens_cpu[i] > 0 and not (verify is not None and verify[i])]
+            if batched:
+                self._batched_decode(batched, [qsl[i] for i in batched], [slots[i] for i in batched],
+                                     raw, f, b, w, o)
+        skip = set(batched)
         for i in range(ctx.num_reqs):
             s, e = qsl[i], qsl[i + 1]
-            if e == s:
+            if e == s or i in skip:
                 continue
             slot = slots[i] if (pool is not None and slots is not None) else None
             if slot is None or ctx.context_lens_cpu[i] == 0:

@@ -180,7 +180,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dot_scaled", [False, True])
+@pytest.mark.parametrize("dot_scaled", [False])
 @pytest.mark.parametrize("T", [1, 64, 300])
 def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T, dot_scaled):
     """Lt 3584, Im 3072, top-16 (of 32 experts in memory, to keep the test small), bf16 activations."""
@@ -222,3 +222,10 @@ elif __name__ == "__main__":
         tl.store(hi_ptr + offs, _hi_nibble_small(q, sc))
 
     print(json.dumps(_interpreter_checks()))
+
+
+def test_broken_dot_scaled_variant_is_refused():
+    from longflash.layers.mxfp4_moe_triton import run_mxfp4_experts_triton
+    with pytest.raises(ValueError, match="dot_scaled MXFP4 variant is disabled"):
+        run_mxfp4_experts_triton(torch.zeros(1, 64), _experts(2, 64, 32, "situ"), torch.ones(1, 1),
+                                 torch.zeros(1, 1, dtype=torch.long), {"dot_scaled": True})

@@ -33,11 +33,35 @@ class KVCacheSpec:
         return (self.num_planes, num_blocks, block_size, *self.row_shape)
 
 
+class DecoderStack(nn.Module):
+    """``embed_tokens`` → pre-norm residual layers → ``norm`` (DeepSeek-V3, Qwen3, Kimi-Linear).
+
+    Each layer maps hidden [T, H] -> [T, H]. forward(input_ids [T]) -> final-normed hidden [T, H].
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers, rms_norm_eps: float):
+        super().__init__()
+        from longflash.layers.norm import RMSNorm
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
 class CausalLM(nn.Module):
     """Base class: subclasses define ``model`` (with ``embed_tokens``, ``layers``, ``norm``) and
     ``lm_head``, ``kv_cache_spec()``, and may override ``remap_checkpoint_name``."""
 
     config: dict
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> final-normed hidden [T, H] (reads the forward context)."""
+        return self.model(input_ids)
 
     def attention_layers(self) -> list[nn.Module]:
         """Modules holding a ``kv_cache`` attribute, in layer order."""

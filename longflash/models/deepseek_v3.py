@@ -14,7 +14,7 @@ from longflash.layers.mlp import GatedMLP
 from longflash.layers.moe import MoE, TopkRouter
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_mscale
-from longflash.models.base import CausalLM, KVCacheSpec
+from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec
 
 
 def _is_moe_layer(cfg: dict, layer_idx: int) -> bool:
@@ -48,22 +48,13 @@ class DeepseekV3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        params = rope_parameters(cfg)
-        rotary = RotaryEmbedding(cfg["qk_rope_head_dim"], params, cfg.get("max_position_embeddings", 4096),
-                                 interleave=cfg.get("rope_interleave", True))
-        scale = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5 * softmax_scale_mscale(params)
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, rotary, scale) for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
+def build_deepseek_v3_stack(cfg: dict) -> DecoderStack:
+    params = rope_parameters(cfg)
+    rotary = RotaryEmbedding(cfg["qk_rope_head_dim"], params, cfg.get("max_position_embeddings", 4096),
+                             interleave=cfg.get("rope_interleave", True))
+    scale = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5 * softmax_scale_mscale(params)
+    layers = [DeepseekV3DecoderLayer(cfg, i, rotary, scale) for i in range(cfg["num_hidden_layers"])]
+    return DecoderStack(cfg["vocab_size"], cfg["hidden_size"], layers, cfg.get("rms_norm_eps", 1e-6))
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -72,11 +63,8 @@ class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, cfg: dict):
         super().__init__()
         self.config = cfg
-        self.model = DeepseekV3Model(cfg)
+        self.model = build_deepseek_v3_stack(cfg)
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

@@ -169,9 +169,6 @@ class KimiK3ForCausalLM(CausalLM):
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self._warned_towers = False
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
-
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config
         return mla_kv_cache_spec(c, c["num_hidden_layers"] - len(kda_layer_ids(c)))

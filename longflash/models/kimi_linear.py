@@ -21,7 +21,7 @@ from longflash.layers.kda import KimiDeltaAttention
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.moe import MoE, TopkRouter
 from longflash.layers.norm import RMSNorm
-from longflash.models.base import CausalLM, KVCacheSpec
+from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec
 
 
 def kda_layer_ids(cfg: dict) -> set[int]:
@@ -87,19 +87,10 @@ class KimiLinearDecoderLayer(nn.Module):
         return x + (self.block_sparse_moe(h) if self.is_moe else self.mlp(h))
 
 
-class KimiLinearModel(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        kda = kda_layer_ids(cfg)
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(KimiLinearDecoderLayer(cfg, i, i in kda) for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
+def build_kimi_linear_stack(cfg: dict) -> DecoderStack:
+    kda = kda_layer_ids(cfg)
+    layers = [KimiLinearDecoderLayer(cfg, i, i in kda) for i in range(cfg["num_hidden_layers"])]
+    return DecoderStack(cfg["vocab_size"], cfg["hidden_size"], layers, cfg.get("rms_norm_eps", 1e-5))
 
 
 class KimiLinearForCausalLM(CausalLM):
@@ -108,12 +99,9 @@ class KimiLinearForCausalLM(CausalLM):
     def __init__(self, config: dict):
         super().__init__()
         self.config = dict(config)
-        self.model = KimiLinearModel(self.config)
+        self.model = build_kimi_linear_stack(self.config)
         self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
         self.num_mla_layers = config["num_hidden_layers"] - len(kda_layer_ids(config))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return mla_kv_cache_spec(self.config, self.num_mla_layers)

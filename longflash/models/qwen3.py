@@ -13,7 +13,7 @@ from longflash.layers.activation import get_act_and_mul
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters
-from longflash.models.base import CausalLM, KVCacheSpec
+from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec
 
 
 def _head_dim(cfg: dict) -> int:
@@ -35,21 +35,12 @@ class Qwen3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        if cfg.get("use_sliding_window"):
-            raise ValueError("unsupported config value use_sliding_window=true for Qwen3")
-        rotary = RotaryEmbedding(_head_dim(cfg), rope_parameters(cfg), cfg.get("max_position_embeddings", 32768))
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary) for _ in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
+def build_qwen3_stack(cfg: dict) -> DecoderStack:
+    if cfg.get("use_sliding_window"):
+        raise ValueError("unsupported config value use_sliding_window=true for Qwen3")
+    rotary = RotaryEmbedding(_head_dim(cfg), rope_parameters(cfg), cfg.get("max_position_embeddings", 32768))
+    layers = [Qwen3DecoderLayer(cfg, rotary) for _ in range(cfg["num_hidden_layers"])]
+    return DecoderStack(cfg["vocab_size"], cfg["hidden_size"], layers, cfg.get("rms_norm_eps", 1e-6))
 
 
 class Qwen3ForCausalLM(CausalLM):
@@ -58,11 +49,8 @@ class Qwen3ForCausalLM(CausalLM):
     def __init__(self, cfg: dict):
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Model(cfg)
+        self.model = build_qwen3_stack(cfg)
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

@@ -115,6 +115,12 @@ class EngineConfig:
     tokenizer: str | None = None
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
+    # DCP: positions per round-robin group (owner of p is (p // I) % dcp); must divide block_size.
+    cp_kv_cache_interleave_size: int = 1
+    # Rendezvous port of a single-host multi-process run (None: a free one; torchrun's env wins).
+    master_port: int | None = None
+    # Seconds a collective may wait for a peer before the engine fails (a dead worker never hangs it).
+    distributed_timeout_s: float = 60.0
     enforce_eager: bool = False
     # {"method": "dflash", "model": PATH, "num_speculative_tokens": K}, a JSON string of it, "off",
     # or None (the default model uses its shipped drafter; other models run without).
@@ -143,8 +149,21 @@ class EngineConfig:
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         if tp < 1 or dcp < 1 or tp % dcp != 0:
             raise ValueError(f"decode_context_parallel_size ({dcp}) must divide tensor_parallel_size ({tp})")
+        if self.cp_kv_cache_interleave_size < 1 or self.block_size % self.cp_kv_cache_interleave_size:
+            raise ValueError(f"cp_kv_cache_interleave_size ({self.cp_kv_cache_interleave_size}) must be >= 1 and "
+                             f"divide block_size ({self.block_size})")
         if tp != 1 or dcp != 1:
-            raise NotImplementedError("tensor/decode-context parallelism is not wired into the engine yet")
+            # Wired so far: DCP over the CPU (gloo) with every rank holding the full weights
+            # (tensor_parallel_size == decode_context_parallel_size); weight sharding comes later.
+            if tp != dcp:
+                raise NotImplementedError(f"tensor_parallel_size {tp} with decode_context_parallel_size {dcp}: "
+                                          "tensor parallelism (weight sharding) is not wired yet; DCP runs with "
+                                          "tensor_parallel_size == decode_context_parallel_size")
+            if torch.device(self.device).type != "cpu":
+                raise NotImplementedError("decode-context parallelism is wired for the CPU (gloo) only so far")
+            if isinstance(self.speculative_config, dict):
+                raise NotImplementedError("speculative decoding under decode-context parallelism is not wired yet")
+            self.speculative_config = "off"  # the default model's own drafter is skipped under DCP
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")

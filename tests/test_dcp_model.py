@@ -2,14 +2,12 @@
 ``tokens_per_block = block_size * dcp``) and broadcasts each step; every rank runs the model over its
 KV shard. Logits of every token and greedy tokens equal the single-process run (DCP 1), with chunked
 prefill, a workspace forcing >= 3 context chunks, prefix-cache hits, fp8 caches, interleave 1 and
-block_size, and requests shorter than dcp. Killing a worker makes rank 0 fail within 60 s."""
+block_size, and requests shorter than dcp."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import time
 
 import pytest
 import torch
@@ -63,7 +61,7 @@ def _drive(runner: DCPModelRunner, dcp: int) -> dict:
             "cached": seqs[-1].num_cached_tokens}
 
 
-def _rank_main(rank, world, port, model_dir, interleave, fp8, out_dir, kill_after=False):
+def _rank_main(rank, world, port, model_dir, interleave, fp8, out_dir):
     if world > 1:
         comm.init_distributed(rank, world, port, timeout_s=20)
     ps = comm.initialize_model_parallel(world, world, interleave)
@@ -74,23 +72,8 @@ def _rank_main(rank, world, port, model_dir, interleave, fp8, out_dir, kill_afte
         for layer in model.attention_layers():
             layer.k_scale = 0.02
     if rank != 0:
-        with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
-            f.write(str(os.getpid()))
         runner.serve_forever()
         return
-    if kill_after:
-        # a worker is killed mid-generation: the next collective must raise
-        with open(os.path.join(out_dir, "ready"), "w"):
-            pass
-        t0 = time.monotonic()
-        try:
-            while True:
-                _drive(runner, world)
-        except Exception as e:  # noqa: BLE001
-            outcome = f"raised {type(e).__name__}: {str(e)[:200]}"
-        with open(os.path.join(out_dir, "rank0.json"), "w") as f:
-            json.dump({"outcome": outcome, "seconds": time.monotonic() - t0}, f)
-        os._exit(1)
     res = _drive(runner, world)
     runner.shutdown()
     with open(os.path.join(out_dir, "rank0.json"), "w") as f:
@@ -115,7 +98,8 @@ def _reference(model_dir, fp8, out_dir):
     return _REFS[fp8]
 
 
-@pytest.mark.parametrize("world,interleave,fp8", [(2, 1, False), (2, BS, True), (4, 1, True), (4, 2, False)])
+# (test_dcp_engine covers dcp 2 with I = 1 / fp32 and I = block_size / fp8 through LLMEngine)
+@pytest.mark.parametrize("world,interleave,fp8", [(4, 2, False), (4, 1, True)])
 def test_dcp_logits_and_greedy_equal_single_process(tiny_model, tmp_path, world, interleave, fp8):
     model_dir = tiny_model("dsv3-qlora-interleave-yarn")
     ref = _reference(model_dir, fp8, str(tmp_path / "ref"))
@@ -126,28 +110,3 @@ def test_dcp_logits_and_greedy_equal_single_process(tiny_model, tmp_path, world,
                for k in ref["logits"])
     assert diff <= 1e-5, diff
     assert ref["cached"] == got["cached"] == 32   # two whole logical blocks of the shared 33-token prefix
-
-
-def test_killed_worker_fails_rank0_within_60s(tiny_model, tmp_path):
-    """SIGKILL rank 1 while rank 0 generates: rank 0's next collective raises (gloo sees the
-    connection drop; the 20 s collective timeout is the backstop), well within 60 s."""
-    import threading
-    model_dir = tiny_model("dsv3-qlora-interleave-yarn")
-    out = str(tmp_path)
-    codes = []
-    t = threading.Thread(target=lambda: codes.extend(
-        run_ranks(_rank_main, 2, (model_dir, 1, False, out, True), timeout_s=100, grace_s=70)), daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not (os.path.exists(os.path.join(out, "ready")) and os.path.exists(os.path.join(out, "pid1"))):
-        assert time.monotonic() < deadline, "ranks did not start"
-        time.sleep(0.05)
-    time.sleep(1.0)                                  # rank 0 is mid-generation
-    os.kill(int(open(os.path.join(out, "pid1")).read()), signal.SIGKILL)
-    killed_at = time.monotonic()
-    t.join(timeout=75)
-    assert not t.is_alive()
-    assert codes[1] == -signal.SIGKILL and codes[0] == 1
-    res = json.load(open(os.path.join(out, "rank0.json")))
-    assert res["outcome"].startswith("raised"), res
-    assert time.monotonic() - killed_at < 60

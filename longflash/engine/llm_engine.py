@@ -113,6 +113,7 @@ class LLMEngine:
         # Capacity accounting includes the draft pool: both are addressed by the same block ids.
         self.kv_bytes_per_token = spec.bytes_per_token(self.kv_cache_dtype) + self.draft_kv_bytes_per_token
         bs = config.block_size
+        dcp = config.decode_context_parallel_size  # a logical block covers bs * dcp tokens (one bs-block per rank)
         if config.num_gpu_blocks is not None:
             num_blocks = config.num_gpu_blocks
         else:
@@ -124,7 +125,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("the KV cache memory budget holds no block; raise --kv-cache-memory")
         self.num_blocks = int(num_blocks)
-        capacity = self.num_blocks * bs
+        capacity = self.num_blocks * bs * dcp
         model_max = int(self.model_config.get("max_position_embeddings") or capacity)
         if config.max_model_len is None:
             self.max_model_len = min(model_max, capacity)
@@ -138,11 +139,15 @@ class LLMEngine:
             logger.info("prefix caching disabled: the model has linear-attention (KDA) layers whose recurrent state "
                         "is not checkpointed at block boundaries")
             prefix_caching = False
-        self.block_manager = BlockManager(self.num_blocks, bs, prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, bs * dcp, prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device,
-                                  config.calculate_kv_scales, config.context_workspace_rows, config.max_num_seqs)
+        if dcp > 1:  # rank 0 of the DCP process model; starts (or, under torchrun, becomes) the workers
+            from longflash.distributed.engine import start_dcp
+            self.runner = start_dcp(self)
+        else:
+            self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device,
+                                      config.calculate_kv_scales, config.context_workspace_rows, config.max_num_seqs)
         if self.proposer is not None:
             self.proposer.allocate(self.num_blocks, bs)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -196,7 +201,8 @@ class LLMEngine:
     def startup_report(self) -> dict:
         """Load time (s), KV cache size in tokens/blocks/bytes, max concurrency at max_model_len."""
         bs = self.config.block_size
-        tokens = self.num_blocks * bs
+        dcp = self.config.decode_context_parallel_size
+        tokens = self.num_blocks * bs * dcp  # DCP: each rank stores 1/dcp of every logical block
         per_req_blocks = self.block_manager.blocks_needed(self.max_model_len)
         return {
             "model_load_time_s": round(self.load_time, 3),
@@ -204,7 +210,8 @@ class LLMEngine:
             "kv_cache_dtype": str(self.kv_cache_dtype).replace("torch.", ""),
             "kv_cache_tokens": tokens,
             "kv_cache_blocks": self.num_blocks,
-            "kv_cache_bytes": tokens * self.kv_bytes_per_token,
+            "kv_cache_bytes": self.num_blocks * bs * self.kv_bytes_per_token,  # per rank
+            "decode_context_parallel_size": dcp,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "max_concurrency": round(self.num_blocks / per_req_blocks, 2),
@@ -241,6 +248,10 @@ class LLMEngine:
         logger.info("KV cache: %d tokens in %d blocks of %d (%s, %d bytes/token, %.1f MiB)", r["kv_cache_tokens"],
                     r["kv_cache_blocks"], self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
                     r["kv_cache_bytes"] / 2**20)
+        if r["decode_context_parallel_size"] > 1:
+            logger.info("decode-context parallelism %d: each rank holds %.1f MiB of KV; capacity x%d = %d tokens",
+                        r["decode_context_parallel_size"], r["kv_cache_bytes"] / 2**20,
+                        r["decode_context_parallel_size"], r["kv_cache_tokens"])
         logger.info("maximum concurrency for %d tokens per request: %.2fx", r["max_model_len"], r["max_concurrency"])
         if r["recurrent_state_bytes"]:
             logger.info("KDA recurrent state: %d bytes per request, %.1f MiB for %d slots",
@@ -252,6 +263,11 @@ class LLMEngine:
             ks = r["k_scales"]
             logger.info("fp8 KV k_scale (%s): min %.4g max %.4g over %d layers", r["k_scale_source"],
                         min(ks), max(ks), len(ks))
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a multi-process engine (no-op for one process)."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

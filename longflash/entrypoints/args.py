@@ -32,6 +32,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
+    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1,
+                   help="DCP: consecutive positions stored on one rank before moving to the next (divides block size)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port of a multi-process run (default: a free port; torchrun's MASTER_PORT wins)")
+    p.add_argument("--distributed-timeout-s", type=float, default=60.0,
+                   help="seconds a collective waits for a peer before the engine fails")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dflash-mxfp8-input", action="store_true",
                    help="feed the DFlash drafter an MXFP8-quantized tap input (staged for large forwards)")
@@ -63,6 +69,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         skip_tokenizer_init=args.skip_tokenizer_init, tokenizer=args.tokenizer,
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size, enforce_eager=args.enforce_eager,
+        cp_kv_cache_interleave_size=getattr(args, "cp_kv_cache_interleave_size", 1),
+        master_port=getattr(args, "master_port", None),
+        distributed_timeout_s=getattr(args, "distributed_timeout_s", 60.0),
         speculative_config=getattr(args, "speculative_config", None),
         dflash_mxfp8_input=getattr(args, "dflash_mxfp8_input", False),
         dflash_staged_threshold=getattr(args, "dflash_staged_threshold", 512))

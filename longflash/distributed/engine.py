@@ -1,0 +1,121 @@
+"""Start the DCP process model from an LLMEngine (rank 0) and run the worker ranks.
+
+Single host: rank 0 (the process that builds the engine) starts ranks 1..N-1 itself (forkserver),
+on ``--master-port`` or a free port. Multi-host: launch every rank with torchrun, e.g.
+``torchrun --nnodes 2 --nproc-per-node 2 --node-rank K --master-addr HOST0 --master-port 29500 -m
+longflash.entrypoints.cli generate -tp 4 -dcp 4 ...``; the engine reads ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` and, on every rank but 0, turns into a worker that exits when rank 0
+shuts down (see ``docs/dcp.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from longflash.distributed import comm
+from longflash.distributed.launch import _context
+from longflash.distributed.runner import DCPModelRunner
+
+logger = logging.getLogger("longflash")
+
+
+def _make_runner(model, config, num_blocks: int, kv_cache_dtype: torch.dtype, ps: comm.ParallelState) -> DCPModelRunner:
+    return DCPModelRunner(model, num_blocks, config.block_size, kv_cache_dtype, torch.device(config.device),
+                          config.calculate_kv_scales, config.context_workspace_rows,
+                          parallel=ps, channel=comm.StepChannel(ps.tp))
+
+
+def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_cache_dtype: torch.dtype,
+                 dtype: torch.dtype, num_threads: int) -> None:
+    """Rank 1..N-1: load the model, build this rank's KV shard, run steps until rank 0 stops."""
+    torch.set_num_threads(num_threads)
+    from longflash.models.loader import load_model
+    try:
+        comm.init_distributed(rank, world, port, timeout_s=config.distributed_timeout_s)
+        ps = comm.initialize_model_parallel(world, config.decode_context_parallel_size,
+                                            config.cp_kv_cache_interleave_size)
+        torch.manual_seed(config.seed)
+        model, _ = load_model(config.model, dtype, torch.device(config.device), progress=False)
+        _make_runner(model, config, num_blocks, kv_cache_dtype, ps).serve_forever()
+    except BaseException:
+        logger.exception("DCP worker rank %d failed", rank)
+        sys.exit(1)
+    comm.destroy_distributed()
+
+
+class _Rank0Runner(DCPModelRunner):
+    """Rank 0's runner: checks that the locally started workers are alive before each step and
+    stops them on shutdown."""
+
+    procs: list = []
+
+    def prepare(self, sched):
+        for r, p in enumerate(self.procs, start=1):
+            if p.exitcode is not None:
+                raise RuntimeError(f"DCP worker rank {r} exited (code {p.exitcode}); the engine cannot continue")
+        return super().prepare(sched)
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        try:
+            if all(p.exitcode is None for p in self.procs):
+                self.channel.post(None)
+        except Exception as e:  # noqa: BLE001 — a dead worker makes the stop message fail; kill below
+            logger.warning("DCP shutdown: could not reach every worker (%s); stopping them", e)
+        finally:
+            for p in self.procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+            comm.destroy_distributed()
+
+
+def start_dcp(engine) -> DCPModelRunner:
+    """Join or start the process group and return rank 0's runner (never returns on a torchrun
+    worker rank: it serves steps, then exits the process).
+
+    Raises RuntimeError when the workers cannot be started or the rendezvous times out.
+    """
+    cfg = engine.config
+    world = cfg.tensor_parallel_size
+    env = comm.DistEnv.from_torchrun_env()
+    procs = []
+    if env is not None:
+        if env.world_size != world:
+            raise ValueError(f"torchrun WORLD_SIZE {env.world_size} != tensor_parallel_size {world}")
+        comm.init_distributed(timeout_s=cfg.distributed_timeout_s)
+        if env.rank != 0:
+            ps = comm.initialize_model_parallel(world, cfg.decode_context_parallel_size,
+                                                cfg.cp_kv_cache_interleave_size)
+            _make_runner(engine.model, cfg, engine.num_blocks, engine.kv_cache_dtype, ps).serve_forever()
+            comm.destroy_distributed()
+            sys.exit(0)
+    else:
+        port = cfg.master_port or comm.free_port()
+        ctx = _context()
+        for r in range(1, world):
+            p = ctx.Process(target=_worker_main, daemon=True,
+                            args=(r, world, port, cfg, engine.num_blocks, engine.kv_cache_dtype, engine.dtype,
+                                  torch.get_num_threads()))
+            p.start()
+            procs.append(p)
+        try:
+            comm.init_distributed(0, world, port, timeout_s=cfg.distributed_timeout_s)
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+    ps = comm.initialize_model_parallel(world, cfg.decode_context_parallel_size, cfg.cp_kv_cache_interleave_size)
+    runner = _Rank0Runner(engine.model, engine.num_blocks, cfg.block_size, engine.kv_cache_dtype,
+                          torch.device(cfg.device), cfg.calculate_kv_scales, cfg.context_workspace_rows,
+                          parallel=ps, channel=comm.StepChannel(ps.tp))
+    runner.procs = procs
+    logger.info("decode-context parallelism: %d ranks (%s), interleave %d", world,
+                "torchrun" if env is not None else "local processes", cfg.cp_kv_cache_interleave_size)
+    return runner

@@ -1,0 +1,98 @@
+"""DCP wired into LLMEngine (``tensor_parallel_size == decode_context_parallel_size``, CPU, gloo):
+logits (score, chunked, prefix hits) and 64 greedy tokens equal the single-process engine for the
+tiny DeepSeek-V3 and the default model; a killed worker makes the engine raise within 60 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from longflash.config import EngineConfig
+from longflash.default_model_path import default_model_path
+from longflash.engine.llm_engine import LLMEngine
+from longflash.sampling_params import SamplingParams
+
+
+def _engine(model, dcp, **kw):
+    args = dict(model=model, block_size=4, num_gpu_blocks=128, max_num_batched_tokens=16, context_workspace_rows=4,
+                skip_tokenizer_init=True, tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+                speculative_config="off", distributed_timeout_s=30)
+    args.update(kw)
+    return LLMEngine(EngineConfig(**args))
+
+
+def _generate(engine, prompts, max_tokens):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids]
+
+
+def _run(model, dcp, prompts, max_tokens, **kw):
+    eng = _engine(model, dcp, **kw)
+    try:
+        logits = [eng.score(p, chunk_size=12) for p in prompts]
+        # prefix-cache hit of 48 tokens for every dcp in {1, 2, 4} (logical blocks of 4, 8, 16): with
+        # an fp8 cache the hit length changes which rows are read back quantized, so it must match.
+        logits.append(eng.score(prompts[0][:49], chunk_size=12))
+        assert eng.block_manager.prefix_cache_hits >= 48
+        tokens = _generate(eng, prompts, max_tokens)
+        report = eng.startup_report()
+    finally:
+        eng.shutdown()
+    return logits, tokens, report
+
+
+# (tests/test_dcp_model.py covers dcp 4 at the runner level; 4 ranks on 2 CPU cores are slow here)
+@pytest.mark.parametrize("variant,dcp,kw", [
+    ("tiny", 2, {}),
+    ("tiny", 2, {"kv_cache_dtype": "fp8", "cp_kv_cache_interleave_size": 4}),
+    ("default", 2, {"kv_cache_dtype": "fp8"}),
+])
+def test_engine_dcp_equals_single_process(tiny_model, variant, dcp, kw):
+    model = tiny_model("dsv3-qlora-interleave-yarn") if variant == "tiny" else default_model_path()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 200, (57,), generator=g).tolist(), [5, 6, 7], [9]]
+    ref_logits, ref_tokens, ref_rep = _run(model, 1, prompts, 64, **kw)
+    logits, tokens, rep = _run(model, dcp, prompts, 64, **kw)
+    assert tokens == ref_tokens and all(len(t) == 64 for t in tokens)
+    for a, b in zip(logits, ref_logits):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-5
+    assert rep["kv_cache_tokens"] == dcp * ref_rep["kv_cache_tokens"]      # capacity grows x dcp
+    assert rep["kv_cache_bytes"] == ref_rep["kv_cache_bytes"]              # per rank: the same pool
+
+
+def test_unwired_combinations_still_refused():
+    with pytest.raises(NotImplementedError):
+        EngineConfig(model="x", tensor_parallel_size=2, decode_context_parallel_size=1)
+    with pytest.raises(NotImplementedError):
+        EngineConfig(model="x", tensor_parallel_size=2, decode_context_parallel_size=2,
+                     speculative_config={"method": "dflash", "model": "d"})
+    with pytest.raises(ValueError):
+        EngineConfig(model="x", tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
+                     cp_kv_cache_interleave_size=3)
+
+
+def test_killed_worker_makes_engine_raise_within_60s(tiny_model):
+    eng = _engine(tiny_model("dsv3-qlora-interleave-yarn"), 2)
+    try:
+        eng.add_request(None, list(range(2, 40)), SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        for _ in range(5):
+            eng.step()
+        os.kill(eng.runner.procs[0].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as ei:
+            while time.monotonic() - t0 < 60:
+                eng.step()
+        assert time.monotonic() - t0 < 60
+        assert "rank 1" in str(ei.value) or "Connection" in str(ei.value) or "closed" in str(ei.value).lower()
+    finally:
+        eng.shutdown()

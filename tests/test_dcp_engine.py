@@ -81,12 +81,18 @@ def test_unwired_combinations_still_refused():
                      cp_kv_cache_interleave_size=3)
 
 
-def test_killed_worker_makes_engine_raise_within_60s(tiny_model):
-    eng = _engine(tiny_model("dsv3-qlora-interleave-yarn"), 2)
+def test_idle_past_timeout_then_killed_worker_makes_engine_raise_within_60s(tiny_model):
+    """Idle longer than the collective timeout: the workers wait on the store, not in a collective,
+    so the engine still works. Then SIGKILL a worker: step() raises within 60 s (never hangs)."""
+    eng = _engine(tiny_model("dsv3-qlora-interleave-yarn"), 2, distributed_timeout_s=2)
     try:
         eng.add_request(None, list(range(2, 40)), SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
-        for _ in range(5):
+        for _ in range(3):
             eng.step()
+        time.sleep(3)                                    # idle > distributed_timeout_s
+        for _ in range(3):
+            eng.step()
+        assert all(p.exitcode is None for p in eng.runner.procs)
         os.kill(eng.runner.procs[0].pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(Exception) as ei:

@@ -225,8 +225,10 @@ class LLMEngine:
         in each cache dtype (fp8 holds twice the tokens of bf16)."""
         spec = self.model.kv_cache_spec()
         bs = self.config.block_size
+        # The draft pool (DFlash) is addressed by the same blocks, so it costs the same in every dtype.
+        draft = self.draft_kv_bytes_per_token
         budget = self.num_blocks * bs * self.kv_bytes_per_token
-        capacity = {str(d).replace("torch.", ""): budget // (spec.bytes_per_token(d) * bs) * bs
+        capacity = {str(d).replace("torch.", ""): budget // ((spec.bytes_per_token(d) + draft) * bs) * bs
                     for d in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)}
         layers = self.model.attention_layers()
         fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
@@ -259,6 +261,16 @@ class LLMEngine:
                         self.runner.state_pool.num_slots)
         logger.info("KV capacity of this budget by cache dtype: %s tokens; context workspace %d rows",
                     r["kv_capacity_tokens_by_dtype"], r["context_workspace_rows"])
+        if self.draft_kv_bytes_per_token:
+            logger.info("DFlash draft KV pool: %d bytes/token (%s), %.1f MiB, same blocks as the target cache",
+                        self.draft_kv_bytes_per_token, str(self.proposer.pool_dtype).replace("torch.", ""),
+                        self.num_blocks * self.config.block_size * self.draft_kv_bytes_per_token / 2**20)
+        if self.model_config.get("attn_res_block_size"):
+            from longflash.models.attn_res_plan import attn_res_bytes_per_token
+            b = attn_res_bytes_per_token(self.model_config, self.dtype)
+            logger.info("AttnRes per-forward state: bank %d + prefix %d bytes/token (planned pool %d, separate "
+                        "allocation peak %d), at most %d tokens per step", b.bank, b.prefix, b.pool, b.separate_peak,
+                        self.config.max_num_batched_tokens)
         if r["k_scales"] is not None:
             ks = r["k_scales"]
             logger.info("fp8 KV k_scale (%s): min %.4g max %.4g over %d layers", r["k_scale_source"],

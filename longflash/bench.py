@@ -20,18 +20,24 @@ from longflash.entrypoints.args import add_engine_args, engine_config_from_args
 
 
 def _prompts(engine, n: int, input_len: int, kind: str, seed: int) -> list[dict]:
+    """n prompts of exactly ``input_len`` tokens: windows of the held-out texts joined into one token
+    stream (random token ids when there is no tokenizer or kind is ``random``).
+
+    Raises ValueError when input_len leaves no room for output within max_model_len.
+    """
+    if input_len < 1 or input_len >= engine.max_model_len:
+        raise ValueError(f"--input-len must be in [1, {engine.max_model_len - 1}] (max_model_len), got {input_len}")
     rng = random.Random(seed)
     tok = engine.tokenizer
     if tok is not None and kind in ("code", "prose"):
         from longflash.bench_prompts import held_out_texts
-        texts = held_out_texts(kind)
-        out = []
-        for i in range(n):
-            text = texts[rng.randrange(len(texts))]
-            ids = tok.encode(text, add_special_tokens=False)
-            s = rng.randrange(max(1, len(ids) - input_len))
-            out.append({"prompt_token_ids": ids[s:s + input_len]})
-        return out
+        stream: list[int] = []
+        for text in held_out_texts(kind):
+            stream += tok.encode(text, add_special_tokens=False)
+        while len(stream) <= input_len:
+            stream = stream + stream
+        return [{"prompt_token_ids": stream[s:s + input_len]}
+                for s in (rng.randrange(len(stream) - input_len) for _ in range(n))]
     vocab = engine.vocab_size
     return [{"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(input_len)]} for _ in range(n)]
 
@@ -63,8 +69,15 @@ def _run_batch(engine, prompts, output_len: int) -> dict:
             "steps": len(step_times)}
 
 
+def _check_counts(args) -> None:
+    sizes = list(getattr(args, "batch_size", [])) + [getattr(args, "num_prompts", 1), args.output_len]
+    if min(sizes) < 1:
+        raise ValueError("--batch-size, --num-prompts and --output-len must be >= 1")
+
+
 def cmd_latency(args) -> int:
     from longflash.engine.llm_engine import LLMEngine
+    _check_counts(args)
     cfgs = [("spec_off", "off"), ("spec_on", None)] if args.compare_spec else [("run", args.speculative_config)]
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "runs": {}}
     for name, sc in cfgs:
@@ -92,6 +105,7 @@ def cmd_latency(args) -> int:
 
 def cmd_throughput(args) -> int:
     from longflash.engine.llm_engine import LLMEngine
+    _check_counts(args)
     engine = LLMEngine(engine_config_from_args(args))
     prompts = _prompts(engine, args.num_prompts, args.input_len, args.prompt_kind, args.seed)
     r = _run_batch(engine, prompts, args.output_len)

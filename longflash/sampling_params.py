@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -49,8 +52,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < _GREEDY_EPS:
+            # vLLM's convention: temperatures this small sample the argmax (dividing by them overflows).
+            self.temperature = 0.0
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -99,6 +99,21 @@ def test_bad_prompts_raise(tiny_model):
         llm.generate({"prompt_token_ids": [1, 999999]}, SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate({"prompt_token_ids": []}, SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=-1)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_reject_nan_and_make_tiny_temperatures_greedy():
+    from longflash import SamplingParams
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=float("nan"))
+    assert SamplingParams(temperature=1e-45).temperature == 0.0
+
+
+def test_engine_budget_and_max_model_len_checks(tiny_model):
+    path = tiny_model("dsv3-qlora-interleave-yarn")
+    with pytest.raises(ValueError, match="exceeds the .* memory available"):
+        LLM(path, skip_tokenizer_init=True, dtype="float32", kv_cache_memory="1000TiB")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(path, skip_tokenizer_init=True, dtype="float32", num_gpu_blocks=4096, max_model_len=10_000)

@@ -118,6 +118,7 @@ class LLMEngine:
             num_blocks = config.num_gpu_blocks
         else:
             budget = config.kv_cache_memory or self._default_kv_budget()
+            self._check_budget_fits(budget)
             if not config.kv_cache_memory and self.model.recurrent_state_layers():  # the KDA state pool comes first
                 from longflash.runner.state_pool import state_bytes_per_request
                 budget -= state_bytes_per_request(self.model.recurrent_state_layers(), self.dtype) * (config.max_num_seqs + 1)
@@ -130,6 +131,9 @@ class LLMEngine:
         if config.max_model_len is None:
             self.max_model_len = min(model_max, capacity)
         else:
+            if config.max_model_len > model_max:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                                 f"({model_max})")
             if config.max_model_len > capacity:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache capacity of {capacity} "
                                  f"tokens; lower --max-model-len or raise --kv-cache-memory")
@@ -191,6 +195,20 @@ class LLMEngine:
         if kvd == "bfloat16":
             return torch.bfloat16
         return torch.float8_e4m3fn
+
+    def _check_budget_fits(self, budget: int) -> None:
+        """Raises ValueError when the KV budget (bytes) exceeds the memory the device has free, so a
+        typo fails at start-up instead of exhausting the machine."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            try:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError, AttributeError):
+                return
+        if budget > free:
+            raise ValueError(f"--kv-cache-memory of {budget / 2**30:.2f} GiB exceeds the {free / 2**30:.2f} GiB of "
+                             f"{self.device.type} memory available")
 
     def _default_kv_budget(self) -> int:
         if self.device.type == "cuda":

@@ -41,6 +41,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             printed = len(text)
             final = out
     sys.stdout.write("\n")
+    if final is None:
+        failed = dict(engine.failed_requests)
+        print(f"error: generation failed: {failed.get(rid, 'unknown error')}", file=sys.stderr)
+        return 1
     dt = time.perf_counter() - t0
     n = len(final.outputs[0].token_ids)
     logging.getLogger("longflash").info("%d tokens in %.2f s (%.1f tok/s), finish_reason=%s", n, dt, n / dt,

@@ -118,3 +118,23 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
+
+
+def is_kimi_moe_layer(cfg: dict, layer_idx: int) -> bool:
+    """Kimi-Linear / Kimi-K3 rule: MoE iff ``layer_idx >= first_k_dense_replace`` and
+    ``layer_idx % moe_layer_freq == 0`` (``shared/specs/kimi_k3_checkpoint.md`` §5)."""
+    return bool(cfg.get("num_experts")) and layer_idx >= cfg.get("first_k_dense_replace", 1) \
+        and layer_idx % cfg.get("moe_layer_freq", 1) == 0
+
+
+def kimi_router(cfg: dict) -> TopkRouter:
+    """The ``block_sparse_moe.gate`` router from Kimi config keys (num_experts, num_experts_per_token,
+    use_grouped_topk + num_expert_group/topk_group, moe_renormalize, routed_scaling_factor,
+    moe_router_activation_func, topk_method)."""
+    grouped = cfg.get("use_grouped_topk", True)
+    return TopkRouter(cfg["hidden_size"], cfg["num_experts"], cfg["num_experts_per_token"],
+                      (cfg.get("num_expert_group") or 1) if grouped else 1,
+                      (cfg.get("topk_group") or 1) if grouped else 1,
+                      cfg.get("moe_renormalize", True), cfg.get("routed_scaling_factor", 1.0),
+                      cfg.get("moe_router_activation_func", "sigmoid"),
+                      use_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc")

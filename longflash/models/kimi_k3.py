@@ -20,7 +20,7 @@ from longflash.attention.mla import MLAAttention
 from longflash.layers.activation import get_act_and_mul
 from longflash.layers.attn_res import attn_res_mix
 from longflash.layers.mlp import GatedMLP
-from longflash.layers.moe import MoE, TopkRouter
+from longflash.layers.moe import MoE, is_kimi_moe_layer, kimi_router
 from longflash.layers.mxfp4 import MXFP4Experts, check_mxfp4_quant_config, routed_experts_packed
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters
@@ -67,16 +67,9 @@ class KimiK3DecoderLayer(nn.Module):
             output_gate=cfg.get("mla_use_output_gate", True))
         act = get_act_and_mul(cfg)
         n_exp = cfg.get("num_experts") or 0
-        self.is_moe = bool(n_exp) and layer_idx >= cfg.get("first_k_dense_replace", 1) \
-            and layer_idx % cfg.get("moe_layer_freq", 1) == 0
+        self.is_moe = is_kimi_moe_layer(cfg, layer_idx)
         if self.is_moe:
-            grouped = cfg.get("use_grouped_topk", True)
-            router = TopkRouter(H, n_exp, cfg["num_experts_per_token"],
-                                cfg.get("num_expert_group", 1) if grouped else 1,
-                                cfg.get("topk_group", 1) if grouped else 1,
-                                cfg.get("moe_renormalize", True), cfg.get("routed_scaling_factor", 1.0),
-                                cfg.get("moe_router_activation_func", "sigmoid"),
-                                use_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc")
+            router = kimi_router(cfg)
             experts = None
             if routed_experts_packed(cfg.get("quantization_config"), layer_idx):
                 act_name = cfg.get("hidden_act", "silu")

@@ -19,7 +19,7 @@ from longflash.attention.mla import MLAAttention
 from longflash.layers.activation import get_act_and_mul
 from longflash.layers.kda import KimiDeltaAttention
 from longflash.layers.mlp import GatedMLP
-from longflash.layers.moe import MoE, TopkRouter
+from longflash.layers.moe import MoE, is_kimi_moe_layer, kimi_router
 from longflash.layers.norm import RMSNorm
 from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec
 
@@ -66,15 +66,9 @@ class KimiLinearDecoderLayer(nn.Module):
                 (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5,
                 output_gate=cfg.get("mla_use_output_gate", False))
         act = get_act_and_mul(cfg)
-        n_exp = cfg.get("num_experts") or 0
-        self.is_moe = bool(n_exp) and layer_idx >= cfg.get("first_k_dense_replace", 1) \
-            and layer_idx % cfg.get("moe_layer_freq", 1) == 0
+        self.is_moe = is_kimi_moe_layer(cfg, layer_idx)
         if self.is_moe:
-            router = TopkRouter(H, n_exp, cfg["num_experts_per_token"], cfg.get("num_expert_group", 1) or 1,
-                                cfg.get("topk_group", 1) or 1, cfg.get("moe_renormalize", True),
-                                cfg.get("routed_scaling_factor", 1.0), cfg.get("moe_router_activation_func", "sigmoid"),
-                                use_bias=True)
-            self.block_sparse_moe = MoE(H, n_exp, cfg["moe_intermediate_size"], router, act,
+            self.block_sparse_moe = MoE(H, cfg["num_experts"], cfg["moe_intermediate_size"], kimi_router(cfg), act,
                                         cfg.get("num_shared_experts", 0) or 0)
         else:
             self.mlp = GatedMLP(H, cfg["intermediate_size"], act)

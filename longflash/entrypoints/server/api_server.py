@@ -276,6 +276,16 @@ def _stream_with_abort(srv: _Server, stream: RequestStream,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+
+def _stream_delta(text: str, finished: bool, sent: int, hold: int) -> tuple[str, int]:
+    """Text to send now from cumulative ``text`` of which ``sent`` characters went out: all of it
+    when finished, else all but the last ``hold`` characters (so a stop string is never partly
+    sent). Returns (delta, new sent count)."""
+    upto = len(text) if finished else len(text) - hold
+    if upto <= sent:
+        return "", sent
+    return text[sent:upto], upto
+
 def _held_back(params: SamplingParams) -> int:
     """Characters to hold back while streaming so that a stop string is never partly sent."""
     return max((len(s) for s in params.stop), default=1) - 1
@@ -428,10 +438,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             final = None
             async for out in stream:
                 comp = out.outputs[0]
-                text = comp.text
-                upto = len(text) if out.finished else len(text) - hold
-                delta = text[sent_text:upto] if upto > sent_text else ""
-                sent_text = max(sent_text, upto)
+                delta, sent_text = _stream_delta(comp.text, out.finished, sent_text, hold)
                 lp = None
                 if want_lp and len(comp.token_ids) > sent_tok:
                     lp = completion_logprobs(comp.token_ids[sent_tok:], (comp.logprobs or [])[sent_tok:],
@@ -502,10 +509,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             final = None
             async for out in stream:
                 comp = out.outputs[0]
-                text = comp.text
-                upto = len(text) if out.finished else len(text) - hold
-                delta = text[sent_text:upto] if upto > sent_text else ""
-                sent_text = max(sent_text, upto)
+                delta, sent_text = _stream_delta(comp.text, out.finished, sent_text, hold)
                 lp = None
                 if req.logprobs and len(comp.token_ids) > sent_tok:
                     lp = chat_logprobs(comp.token_ids[sent_tok:], (comp.logprobs or [])[sent_tok:], top_n,

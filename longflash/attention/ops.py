@@ -180,7 +180,8 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             o, l = attention_with_lse(q[s:e], kv, kv[..., :kv_lora_rank], scale,
                                       causal_offset=L - (e - s) - start)
             o_b, l_b = (o, l) if o_b is None else merge_attn_states(o_b, l_b, o, l)
-        out[s:e], lse[s:e] = o_b, l_b
+        if o_b is not None:  # seq_len 0 (e.g. an empty DCP shard): output 0, LSE -inf
+            out[s:e], lse[s:e] = o_b, l_b
     return out, lse
 
 

@@ -151,7 +151,12 @@ def mla_decode_attention_local(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
     first ``local_len(P + 1)`` rows (global position is increasing in the local index).
     Returns out [T, H, kv_lora_rank] (q dtype) and lse [T, H] fp32; a query with no local key gets
     out 0 and lse -inf. With ``dcp_size == 1`` this equals ``ops.mla_decode_attention``.
+    On a GPU the Triton kernel computes it (``triton_mla_decode.mla_decode_attention_dcp_local``).
     """
+    if q.is_cuda:
+        from longflash.attention.triton_mla_decode import mla_decode_attention_dcp_local
+        return mla_decode_attention_dcp_local(q, kv_cache, block_table, query_start_loc, seq_lens, scale,
+                                              kv_lora_rank, dcp_size, dcp_rank, interleave, k_scale)
     T, H, _ = q.shape
     bs = kv_cache.shape[1]
     check_dcp_args(bs, dcp_size, interleave)

@@ -1,0 +1,428 @@
+"""Triton paged MLA decode/verify attention (absorbed path), same signature and result as
+:func:`longflash.attention.ops.mla_decode_attention` (the reference; tests compare them).
+
+Semantics (``shared/specs/mla_dcp_fp8.md``, MLA decode path): query width ``kv_lora_rank + rope``
+against the cache rows ``[kv_c | k_pe]``; values are the first ``kv_lora_rank`` entries of the same row;
+request b's ``q_len`` queries sit at positions ``seq_len - q_len + j`` and see the rows at positions
+<= their own (causal among themselves); LSE = natural log-sum-exp of the scaled logits, −inf (output 0)
+for a query that sees no row.
+
+Design (memory-bound at decode: each cache row must be read once per request for all its heads):
+- stage 1, grid (head-group, kv-split, request): a program takes BLOCK_M consecutive query rows of one
+  request (row m = token j · H + head h, so the heads of several tokens share a tile) and walks the
+  request's rows of its kv-split BLOCK_N at a time through the block table: scores with ``tl.dot``
+  (bf16 operands, fp32 accumulation; the 576-wide dot is the 512 + 64 parts), online softmax in
+  base 2, ``acc += p · kv_c``. The head-group is the fastest grid axis, so the programs that read the
+  same rows run together and share them through L2. An fp8 cache is loaded as bytes and converted in
+  registers; ``k_scale`` is folded into the score scale and the final output (exact: K and V are the
+  same row times k_scale). With one split the program writes the final output and LSE.
+- stage 2 (only with several splits), grid (query row, column tile): combines the splits' partial
+  (out, lse) by LSE (the formula of ``merge_attn_states``: m = max lse, w_s = e^(lse_s − m),
+  out = Σ w_s out_s / Σ w_s, lse = m + log Σ w_s; an empty split has weight exactly 0).
+- number of splits: enough programs for ~2 per SM when batch × head-groups is small, each split at
+  least ``MIN_SPLIT_ROWS`` rows, and the fp32 partial traffic at most a few % of the cache bytes (or
+  small enough to stay in L2).
+
+Bytes moved (the decode roofline): Σ_b seq_len_b · W · elem (cache rows) + q, out, lse, block table;
+FLOPs 2 · Σ_b q_len_b · H · seq_len_b · (W + kv_lora_rank). ``benchmarks/NOTES.md`` has the numbers.
+
+In the CPU interpreter (``TRITON_INTERPRET=1``): the fp8 bytes are decoded with exact integer
+operations (the interpreter's fp8 casts round wrongly) and the kv loop is a ``while`` loop (a ``for``
+over run-time bounds fails there with NumPy 2.4); on the GPU it is a ``for`` loop that Triton
+software-pipelines.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from longflash.attention.ops import DECODE_PIECE_ROWS, FP8_DTYPE
+from longflash.attention.triton_ops import _from_e4m3_bits
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MIN_SPLIT_ROWS = 256
+MAX_SPLITS = 256
+# Partial results (fp32 out + lse, written and read once) may take this fraction of the cache bytes,
+# or up to PARTIAL_L2_BYTES (they then live in L2 between the two stages).
+PARTIAL_FRACTION = 0.05
+PARTIAL_L2_BYTES = 16 << 20
+
+
+@triton.jit
+def _load_rows(ptrs, mask, FP8: tl.constexpr, HW_FP8: tl.constexpr, QDT: tl.constexpr, DOT_IEEE: tl.constexpr,
+               EVICT: tl.constexpr):
+    """Cache elements -> dot operand: fp8 bytes decoded exactly (hardware cast, or integer operations in
+    the interpreter), rounded to q's dtype ``QDT``, widened to fp32 under DOT_IEEE."""
+    x = tl.load(ptrs, mask=mask, other=0, eviction_policy=EVICT)
+    if FP8:
+        if HW_FP8:
+            x = x.to(tl.float8e4nv, bitcast=True).to(QDT)
+        else:  # fp8 values are exact in bf16/fp16/fp32
+            x = _from_e4m3_bits(x.to(tl.int32)).to(QDT)
+    else:
+        x = x.to(QDT)
+    if DOT_IEEE:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, vis, row_ok, cache_ptr, block_size, qk_scale,
+             R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+             BLOCK_N: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr, QDT: tl.constexpr,
+             DOT_IEEE: tl.constexpr, V_RELOAD: tl.constexpr):
+    """One BLOCK_N-row tile (rows start.., physical blocks ``blk``) of the online softmax: returns the
+    updated (m_i, l_i, acc), base-2 logits.
+    Dot operands are rounded to q's dtype ``QDT``; with DOT_IEEE (fp32 q, or the interpreter, whose
+    ``tl.dot`` multiplies bf16 bit patterns as integers) they are then widened to fp32."""
+    W: tl.constexpr = R + P
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < hi
+    row = (blk.to(tl.int64) * block_size + n % block_size) * W
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    kmask = n_ok[:, None] & (r < R)[None, :]
+    kn = _load_rows(cache_ptr + row[:, None] + r[None, :], kmask, FP8, HW_FP8, QDT, DOT_IEEE, "evict_last")
+    kp = _load_rows(cache_ptr + row[:, None] + R + p[None, :], n_ok[:, None] & (p < P)[None, :], FP8, HW_FP8, QDT,
+                    DOT_IEEE, "evict_last")
+    if V_RELOAD:  # a second load of the same rows for the PV dot (served by L1/L2, not HBM)
+        v = _load_rows(cache_ptr + row[:, None] + r[None, :], kmask, FP8, HW_FP8, QDT, DOT_IEEE, "evict_first")
+    else:
+        v = kn
+    if DOT_IEEE:
+        s = tl.dot(q_nope, tl.trans(kn), input_precision="ieee")
+        s = tl.dot(q_pe, tl.trans(kp), s, input_precision="ieee")
+    else:
+        s = tl.dot(q_nope, tl.trans(kn))
+        s = tl.dot(q_pe, tl.trans(kp), s)
+    s = s * qk_scale
+    keep = row_ok[:, None] & n_ok[None, :] & (n[None, :] < vis[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
+    alpha = tl.exp2(m_i - m_safe)
+    pr = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    if DOT_IEEE:
+        acc = tl.dot(pr.to(QDT).to(tl.float32), v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(pr.to(QDT), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
+                       H, block_size, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits,
+                       qk_scale, out_scale,
+                       R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
+                       HAS_VIS: tl.constexpr, SPLIT: tl.constexpr, DOT_IEEE: tl.constexpr,
+                       V_RELOAD: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_g = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    kv_len = tl.load(kvlen_ptr + b)
+    m_idx = pid_g * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m_idx < q_len * H
+    j = m_idx // H
+    h = m_idx % H
+    tok = (q_start + j).to(tl.int64)
+    if HAS_VIS:
+        vis = tl.load(vis_ptr + tok, mask=row_ok, other=0)
+    else:
+        vis = kv_len - q_len + j + 1  # query j at position kv_len - q_len + j sees rows <= it
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    q_row = q_ptr + tok * stride_qt + h * stride_qh
+    q_nope = tl.load(q_row[:, None] + r[None, :], mask=row_ok[:, None] & (r < R)[None, :], other=0.0)
+    q_pe = tl.load(q_row[:, None] + R + p[None, :], mask=row_ok[:, None] & (p < P)[None, :], other=0.0)
+    QDT: tl.constexpr = q_ptr.dtype.element_ty
+    if DOT_IEEE:
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    # this program's rows [lo, hi) of the request: splits of a per-request chunk, whole tiles each
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    hi = tl.where(pid_g * BLOCK_M < q_len * H, hi, lo)  # a head-group past this request's rows: no work
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    # NOTE: the block ids of the next tile are loaded one iteration ahead, so the cache-row loads'
+    # addresses come from loop-carried values and the pipeliner can overlap them with the math.
+    n0 = lo + tl.arange(0, BLOCK_N)
+    blk = tl.load(bt_row + n0 // block_size, mask=n0 < hi, other=0)
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            nxt = start + BLOCK_N + tl.arange(0, BLOCK_N)
+            blk_next = tl.load(bt_row + nxt // block_size, mask=nxt < hi, other=0)
+            m_i, l_i, acc = _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, vis, row_ok, cache_ptr, block_size,
+                                     qk_scale, R, P, BLOCK_R, BLOCK_P, BLOCK_N, FP8, HW_FP8, QDT, DOT_IEEE, V_RELOAD)
+            blk = blk_next
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            nxt = start + BLOCK_N + tl.arange(0, BLOCK_N)
+            blk_next = tl.load(bt_row + nxt // block_size, mask=nxt < hi, other=0)
+            m_i, l_i, acc = _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, vis, row_ok, cache_ptr, block_size,
+                                     qk_scale, R, P, BLOCK_R, BLOCK_P, BLOCK_N, FP8, HW_FP8, QDT, DOT_IEEE, V_RELOAD)
+            blk = blk_next
+    seen = l_i > 0
+    inv = tl.where(seen, out_scale / tl.where(seen, l_i, 1.0), 0.0)
+    o = acc * inv[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    om = row_ok[:, None] & (r < R)[None, :]
+    if SPLIT:  # partials [T, H, S, BLOCK_R] fp32 and [T, H, S]
+        prow = (tok * H + h) * num_splits + pid_s
+        tl.store(out_ptr + prow[:, None] * BLOCK_R + r[None, :], o, mask=om)
+        tl.store(lse_ptr + prow, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + tok[:, None] * stride_ot + h[:, None] * stride_oh + r[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=om)
+        tl.store(lse_ptr + tok * H + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stride_ot, stride_oh,
+                       R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # = token * H + head
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    s = tl.arange(0, BLOCK_S)
+    sm = s < num_splits
+    ls = tl.load(plse_ptr + row * num_splits + s, mask=sm, other=float("-inf"))
+    ls = tl.where(ls == float("inf"), float("-inf"), ls)
+    m = tl.max(ls, axis=0)
+    empty = m == float("-inf")
+    m_safe = tl.where(empty, 0.0, m)
+    w = tl.exp(ls - m_safe)  # exactly 0 for an empty split
+    tot = tl.sum(w, axis=0)
+    w = w / tl.where(empty, 1.0, tot)
+    cm = c < R
+    parts = tl.load(part_ptr + (row * num_splits + s)[:, None] * BLOCK_R + c[None, :],
+                    mask=(sm & (w > 0))[:, None] & cm[None, :], other=0.0)
+    o = tl.sum(parts * w[:, None], axis=0)
+    tok = row // H
+    h = row % H
+    tl.store(out_ptr + tok * stride_ot + h * stride_oh + c, o.to(out_ptr.dtype.element_ty), mask=cm)
+    if tl.program_id(1) == 0:
+        tl.store(lse_ptr + row, tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, tot)) + m_safe))
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
+    """Tile shape for a batch whose largest request has ``max_query_rows`` = q_len · H query rows:
+    BLOCK_M (query rows per program, >= 16 for ``tl.dot``), BLOCK_N (cache rows per step), num_warps,
+    num_stages, V_RELOAD (load the value tile a second time instead of reusing the key tile: with an
+    fp8 cache and mma.sync tiles this lets Triton pipeline the byte loads through shared memory).
+    Chosen from the sm_90 compile reports in ``benchmarks/NOTES.md``; ``benchmarks/mla_decode.py``
+    sweeps alternatives."""
+    fp8 = cache_dtype == FP8_DTYPE
+    if max_query_rows <= 32:
+        return {"BLOCK_M": 16 if max_query_rows <= 16 else 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3,
+                "V_RELOAD": fp8}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3 if fp8 else 2, "V_RELOAD": False}
+
+
+def choose_num_splits(batch: int, head_groups: int, max_kv_len: int, query_rows: int, kv_lora_rank: int,
+                      row_bytes: int, sm_count: int) -> int:
+    """kv-splits per request: ~2 programs per SM in total, at least ``MIN_SPLIT_ROWS`` cache rows per
+    split, and the fp32 partial traffic (``query_rows · (kv_lora_rank + 1) · 4`` bytes per split and
+    request, written and read) within ``PARTIAL_FRACTION`` of the cache bytes or ``PARTIAL_L2_BYTES``."""
+    if max_kv_len <= 0:
+        return 1
+    s = triton.cdiv(2 * sm_count, max(1, batch * head_groups))
+    s = min(s, triton.cdiv(max_kv_len, MIN_SPLIT_ROWS), MAX_SPLITS)
+    per_split = 2 * batch * query_rows * (kv_lora_rank + 1) * 4
+    budget = max(PARTIAL_FRACTION * batch * max_kv_len * row_bytes, PARTIAL_L2_BYTES)
+    s = min(s, int(budget // max(per_split, 1)))
+    return max(1, s)
+
+
+def _as_int32(x, device: torch.device) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.int32)
+    return torch.tensor(list(x), dtype=torch.int32, device=device)
+
+
+def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         query_start_loc: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
+                         scale: float, kv_lora_rank: int, k_scale: float | torch.Tensor | None = None,
+                         max_rows_per_piece: int = DECODE_PIECE_ROWS, *, max_query_len: int | None = None,
+                         max_seq_len: int | None = None, visible_lens: torch.Tensor | None = None,
+                         num_splits: int | None = None, config: dict | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`longflash.attention.ops.mla_decode_attention` (same semantics).
+
+    Args:
+        q: [T, H, kv_lora_rank + rope] absorbed queries, bf16/fp16 (fp32 runs the dots in IEEE fp32);
+            last dim contiguous.
+        kv_cache: [num_blocks, block_size, kv_lora_rank + rope], contiguous, q's dtype or
+            float8_e4m3fn (read as ``fp8 · k_scale``); any block_size.
+        block_table: [>= B, max_blocks] int32 on q's device.
+        query_start_loc: B + 1 offsets into q (list, or int32 tensor), from 0 to T.
+        seq_lens: B cached tokens per request, the queries' own rows included (list or int32 tensor).
+        scale: softmax scale. kv_lora_rank: value width (the first entries of each row).
+        k_scale: fp8 dequantization multiplier (None = 1).
+        max_rows_per_piece: accepted for the reference's signature; the kernel's working set is one
+            tile, so it is unused.
+        max_query_len / max_seq_len: host-side bounds used when the lengths are tensors (no device
+            sync; they fix the grid, e.g. per CUDA-graph bucket; defaults T and the block table's
+            capacity); computed from lists otherwise.
+        visible_lens: optional [T] int32 device tensor: query t sees the request's first
+            ``visible_lens[t]`` rows instead of the causal rule (decode-context parallelism's local
+            shard, :func:`mla_decode_attention_dcp_local`); ``seq_lens`` are then the rows scanned.
+        num_splits / config: overrides of :func:`choose_num_splits` / :func:`default_config`.
+    Returns:
+        out [T, H, kv_lora_rank] in q's dtype, lse [T, H] fp32 (natural log; −inf and output 0 for a
+        query that sees no row, e.g. seq_len 0).
+    Raises:
+        ValueError on inconsistent shapes, dtypes or lengths; a request longer than its block table
+        (checked when the lengths are lists). The wrapper never syncs with the device when the
+        lengths are tensors and ``k_scale`` is a Python number (CUDA-graph capture).
+    """
+    if q.dim() != 3 or kv_cache.dim() != 3:
+        raise ValueError(f"q must be [T, H, W] and kv_cache [num_blocks, block_size, W], got {tuple(q.shape)} "
+                         f"and {tuple(kv_cache.shape)}")
+    T, H, W = q.shape
+    R = int(kv_lora_rank)
+    P = W - R
+    if kv_cache.shape[-1] != W or not 0 < R < W:
+        raise ValueError(f"query width {W} must equal the cache row width {kv_cache.shape[-1]} and exceed "
+                         f"kv_lora_rank {R}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} not supported (bf16, fp16, fp32)")
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    if not fp8 and kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
+    if block_table.dim() != 2 or block_table.device != q.device or kv_cache.device != q.device:
+        raise ValueError("block_table must be 2-D and q, kv_cache, block_table on one device")
+    B = (query_start_loc.numel() if isinstance(query_start_loc, torch.Tensor) else len(query_start_loc)) - 1
+    nb = seq_lens.numel() if isinstance(seq_lens, torch.Tensor) else len(seq_lens)
+    if B < 0 or nb != B or block_table.shape[0] < B:
+        raise ValueError(f"query_start_loc has {B + 1} entries, seq_lens {nb}, block_table {block_table.shape[0]}"
+                         " rows: need B + 1, B and >= B")
+    block_size = kv_cache.shape[1]
+    capacity = block_table.shape[1] * block_size
+    if not isinstance(query_start_loc, torch.Tensor):
+        if query_start_loc[0] != 0 or query_start_loc[-1] != T or \
+                any(e < s for s, e in zip(query_start_loc, query_start_loc[1:])):
+            raise ValueError(f"query_start_loc must be non-decreasing from 0 to T={T}")
+        max_query_len = max((e - s for s, e in zip(query_start_loc, query_start_loc[1:])), default=0)
+    elif max_query_len is None:
+        max_query_len = T  # a bound without a device sync
+    if not isinstance(seq_lens, torch.Tensor):
+        if any(L < 0 for L in seq_lens):
+            raise ValueError("seq_lens must be >= 0")
+        max_seq_len = max(seq_lens, default=0)
+        if max_seq_len > capacity:
+            raise ValueError(f"a sequence of {max_seq_len} rows exceeds the block table "
+                             f"({block_table.shape[1]} blocks of {block_size})")
+    else:  # a bound without a device sync (rows past a request's own length are never read)
+        max_seq_len = capacity if max_seq_len is None else min(max_seq_len, capacity)
+    if visible_lens is not None and (visible_lens.shape != (T,) or visible_lens.device != q.device):
+        raise ValueError(f"visible_lens must be [T={T}] on q's device")
+    out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0 or H == 0 or B == 0:
+        return out, lse
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    qsl = _as_int32(query_start_loc, q.device)
+    kvl = _as_int32(seq_lens, q.device)
+    bt = block_table if block_table.dtype == torch.int32 and block_table.stride(-1) == 1 else \
+        block_table.to(torch.int32).contiguous()
+    cfg = dict(default_config(max_query_len * H, kv_cache.dtype), **(config or {}))
+    BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    groups = max(1, triton.cdiv(max_query_len * H, BLOCK_M))
+    row_bytes = W * kv_cache.element_size()
+    S = num_splits or choose_num_splits(B, groups, max_seq_len, min(max_query_len * H, groups * BLOCK_M), R,
+                                        row_bytes, _sm_count(q.device))
+    BLOCK_R, BLOCK_P = triton.next_power_of_2(R), max(16, triton.next_power_of_2(P))
+    ks = 1.0 if k_scale is None or not fp8 else float(k_scale)
+    interp = _interpret() or not q.is_cuda
+    src = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    vis = visible_lens.to(torch.int32) if visible_lens is not None else qsl
+    common = dict(R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP8=fp8,
+                  HW_FP8=not interp, HAS_VIS=visible_lens is not None, DOT_IEEE=q.dtype == torch.float32 or interp,
+                  V_RELOAD=bool(cfg["V_RELOAD"]), INTERPRET=interp, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    grid = (groups, S, B)
+    qk_scale = float(scale) * ks * LOG2E
+    if S == 1:
+        _mla_decode_stage1[grid](q, src, bt, qsl, kvl, vis, out, lse, H, block_size, bt.stride(0), q.stride(0),
+                                 q.stride(1), out.stride(0), out.stride(1), 1, qk_scale, ks, SPLIT=False, **common)
+        return out, lse
+    part = torch.empty((T, H, S, BLOCK_R), dtype=torch.float32, device=q.device)
+    plse = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
+    _mla_decode_stage1[grid](q, src, bt, qsl, kvl, vis, part, plse, H, block_size, bt.stride(0), q.stride(0),
+                             q.stride(1), out.stride(0), out.stride(1), S, qk_scale, ks, SPLIT=True, **common)
+    BLOCK_S = triton.next_power_of_2(S)
+    BLOCK_C = min(BLOCK_R, max(16, 4096 // BLOCK_S))
+    _mla_decode_stage2[(T * H, triton.cdiv(R, BLOCK_C))](part, plse, out, lse, H, S, out.stride(0), out.stride(1),
+                                                         R=R, BLOCK_R=BLOCK_R, BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C,
+                                                         num_warps=4)
+    return out, lse
+
+
+def mla_decode_attention_dcp_local(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                   query_start_loc: list[int], seq_lens: list[int], scale: float,
+                                   kv_lora_rank: int, dcp_size: int, dcp_rank: int, interleave: int = 1,
+                                   k_scale: float | torch.Tensor | None = None,
+                                   max_rows_per_piece: int = DECODE_PIECE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`longflash.distributed.dcp.mla_decode_attention_local` (same signature
+    and result): attention over this DCP rank's shard of each request. ``seq_lens`` are global; query
+    at global position P sees the first ``local_len(P + 1)`` local rows (spec's local-length formula),
+    and the request's scan covers ``local_len(seq_len)`` rows."""
+    from longflash.distributed.dcp import check_dcp_args, dcp_local_seq_lens
+    check_dcp_args(kv_cache.shape[1], dcp_size, interleave)
+    qpos = []
+    for b, L in enumerate(seq_lens):
+        n = query_start_loc[b + 1] - query_start_loc[b]
+        qpos.extend(range(L - n, L))
+    vis_cpu = dcp_local_seq_lens([p + 1 for p in qpos], dcp_size, interleave)[:, dcp_rank] if qpos else \
+        torch.zeros(0, dtype=torch.int64)
+    local = dcp_local_seq_lens(list(seq_lens), dcp_size, interleave)[:, dcp_rank].tolist() if seq_lens else []
+    vis = vis_cpu.to(device=q.device, dtype=torch.int32)
+    return mla_decode_attention(q, kv_cache, block_table, query_start_loc, local, scale, kv_lora_rank, k_scale,
+                                max_rows_per_piece, visible_lens=vis)
+
+
+def decode_bytes_and_flops(batch_q_lens: list[int], seq_lens: list[int], heads: int, width: int, kv_lora_rank: int,
+                           cache_elem_bytes: int, q_elem_bytes: int = 2, block_size: int = 64) -> tuple[int, int]:
+    """The roofline's two numbers for one call: the fewest bytes moved (each visible cache row once,
+    q, out, lse, the block-table entries) and the FLOPs (QK over ``width``, PV over ``kv_lora_rank``,
+    causal rows counted exactly)."""
+    nbytes, flops = 0, 0
+    for n, L in zip(batch_q_lens, seq_lens):
+        nbytes += L * width * cache_elem_bytes + math.ceil(L / block_size) * 4
+        nbytes += n * heads * (width + kv_lora_rank) * q_elem_bytes + n * heads * 4
+        seen = sum(max(0, L - n + j + 1) for j in range(n))
+        flops += 2 * heads * seen * (width + kv_lora_rank)
+    return nbytes, flops

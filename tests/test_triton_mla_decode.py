@@ -1,0 +1,216 @@
+"""The Triton paged MLA decode/verify kernel (``attention/triton_mla_decode.py``) equals its PyTorch
+reference ``ops.mla_decode_attention`` (and the DCP-local variant equals ``dcp.mla_decode_attention_local``).
+
+CPU: one subprocess under ``TRITON_INTERPRET=1`` (the variable must be set before Triton is imported)
+runs small shapes: widths 64+16 (the default model) and 512+64, block sizes 4/16, lengths not a multiple
+of the block, a 0-length request and one shorter than its query block (LSE −inf, output 0), q_len 1 and
+4, bf16/fp8 (k_scale ≠ 1)/fp32 caches, 1 and several kv-splits, tensor lengths, bad input.
+GPU (skipped without CUDA): real shapes, 576-wide rows, 16 and 128 heads, contexts up to 70K.
+
+Accuracy: each result is compared with the fp64 reference (q upcast, the same cache); bf16 operands
+give ‖out − ref‖/‖ref‖ of a few 1e-3, so the bound is 1e-2 (fp32: 1e-5). The −inf LSE pattern must
+match exactly and those outputs be exactly 0.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_SCRIPT = r"""
+import json, os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from longflash.attention import ops
+from longflash.attention import triton_mla_decode as tk
+from longflash.distributed import dcp
+
+res = {}
+g = torch.Generator().manual_seed(0)
+
+
+def make(R, P, bs, seq, ql, H, cdt, qdt, ks):
+    nb = sum(-(-L // bs) for L in seq) + 3
+    cache = ops.quantize_to_cache(torch.randn(nb, bs, R + P, generator=g), cdt, ks)
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    mb = max(1, max(-(-L // bs) for L in seq))
+    bt = torch.full((len(seq), mb + 1), -1, dtype=torch.int32)
+    i = 0
+    for b, L in enumerate(seq):
+        n = -(-L // bs)
+        bt[b, :n] = perm[i:i + n]
+        i += n
+    qsl = [0]
+    for n in ql:
+        qsl.append(qsl[-1] + n)
+    q = (torch.randn(qsl[-1], H, R + P, generator=g) * 0.5).to(qdt)
+    return q, cache, bt, qsl
+
+
+def compare(name, out, lse, q, cache, bt, qsl, seq, R, ks, ref_fn=None):
+    ref_fn = ref_fn or (lambda qq: ops.mla_decode_attention(qq, cache, bt, qsl, seq, 0.3, R, ks, max_rows_per_piece=8))
+    ro, rl = ref_fn(q.double())
+    empty = rl.isinf()
+    res[name] = dict(
+        rel=((out.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item(),
+        lse=(lse.double() - rl).masked_fill(empty, 0).abs().max().item() if lse.numel() else 0.0,
+        inf_match=bool(torch.equal(lse.isinf(), empty)) and not bool((lse == float("inf")).any()),
+        empty_zero=bool((out[empty] == 0).all()), nan=bool(out.isnan().any() or lse.isnan().any()),
+        n_empty=int(empty.sum()), shape_ok=out.shape == ro.shape and out.dtype == q.dtype)
+    if q.dtype != torch.float64 and q.dtype != torch.float32:  # the bf16 reference's own error, for scale
+        bo, _ = ref_fn(q)
+        res[name]["ref_rel"] = ((bo.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item()
+
+
+# default-model width, block 4: 0-length request, one shorter than its query block, q_len 1/2/4
+seq, ql = [9, 0, 37, 5, 3], [1, 2, 4, 1, 4]
+for cdt, qdt, ks in ((torch.bfloat16, torch.bfloat16, None), (torch.float8_e4m3fn, torch.bfloat16, 0.37),
+                     (torch.float32, torch.float32, None)):
+    q, cache, bt, qsl = make(64, 16, 4, seq, ql, 3, cdt, qdt, ks)
+    for S in (1, 3, None):
+        out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 64, ks, num_splits=S)
+        compare(f"r64_bs4_{cdt}_S{S}", out, lse, q, cache, bt, qsl, seq, 64, ks)
+    if cdt == torch.bfloat16:  # lengths as int32 tensors + host bounds: the same bits as lists
+        o2, l2 = tk.mla_decode_attention(q, cache, bt, torch.tensor(qsl, dtype=torch.int32),
+                                         torch.tensor(seq, dtype=torch.int32), 0.3, 64, ks, num_splits=3,
+                                         max_query_len=4, max_seq_len=37)
+        o1, l1 = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 64, ks, num_splits=3)
+        res["tensor_lengths_equal"] = bool(torch.equal(o1, o2) and torch.equal(l1, l2))
+
+# block 16, fp8 with a large k_scale, 4 heads x 4 tokens = 16 rows of one tile, 2 splits
+seq, ql = [53, 16, 70], [4, 1, 4]
+q, cache, bt, qsl = make(64, 16, 16, seq, ql, 4, torch.float8_e4m3fn, torch.bfloat16, 2.5)
+out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 64, 2.5, num_splits=2)
+compare("r64_bs16_fp8_S2", out, lse, q, cache, bt, qsl, seq, 64, 2.5)
+
+# DeepSeek/Kimi width 512 + 64, block 16, 2 heads, q_len 1 and 4, bf16 and fp8
+seq, ql = [45, 20], [1, 4]
+for cdt, ks in ((torch.bfloat16, None), (torch.float8_e4m3fn, 0.05)):
+    q, cache, bt, qsl = make(512, 64, 16, seq, ql, 2, cdt, torch.bfloat16, ks)
+    out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 512, ks, num_splits=2)
+    compare(f"r512_{cdt}", out, lse, q, cache, bt, qsl, seq, 512, ks)
+
+# DCP local shard (rank 1 of 2, interleave 1 and 2): per-query visible lengths; L=1 leaves rank 1 empty
+seq, ql = [1, 23, 9], [1, 3, 4]
+for inter in (1, 2):
+    q, cache, bt, qsl = make(64, 16, 4, seq, ql, 2, torch.float32, torch.float32, None)
+    out, lse = tk.mla_decode_attention_dcp_local(q, cache, bt, qsl, seq, 0.3, 64, 2, 1, inter, None)
+    ref = lambda qq: dcp.mla_decode_attention_local(qq, cache, bt, qsl, seq, 0.3, 64, 2, 1, inter, None,
+                                                    max_rows_per_piece=8)
+    compare(f"dcp_local_I{inter}", out, lse, q, cache, bt, qsl, seq, 64, None, ref_fn=ref)
+
+# bad input raises a clear ValueError
+q, cache, bt, qsl = make(64, 16, 4, [9], [1], 2, torch.bfloat16, torch.bfloat16, None)
+bad = {
+    "width": lambda: tk.mla_decode_attention(q[..., :70], cache, bt, qsl, [9], 0.3, 64),
+    "rank": lambda: tk.mla_decode_attention(q, cache, bt, qsl, [9], 0.3, 80),
+    "dtype": lambda: tk.mla_decode_attention(q, cache.float(), bt, qsl, [9], 0.3, 64),
+    "lens": lambda: tk.mla_decode_attention(q, cache, bt, qsl, [9, 3], 0.3, 64),
+    "qsl_end": lambda: tk.mla_decode_attention(q, cache, bt, [0, 2], [9], 0.3, 64),
+    "table": lambda: tk.mla_decode_attention(q, cache, bt, qsl, [4 * bt.shape[1] + 1], 0.3, 64),
+}
+for k, fn in bad.items():
+    try:
+        fn()
+        res[f"raises_{k}"] = False
+    except ValueError:
+        res[f"raises_{k}"] = True
+e_out, e_lse = tk.mla_decode_attention(q[:0], cache, bt[:0], [0], [], 0.3, 64)
+res["empty_batch"] = e_out.shape == (0, 2, 64) and e_lse.shape == (0, 2)
+print("RESULT" + json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])
+
+
+def _check_case(name: str, r: dict, fp32: bool) -> None:
+    assert r["shape_ok"] and not r["nan"], (name, r)
+    assert r["inf_match"] and r["empty_zero"], (name, r)
+    bound = 1e-5 if fp32 else 1e-2
+    assert r["rel"] <= bound, (name, r)
+    assert r["lse"] <= (1e-5 if fp32 else 1e-3), (name, r)
+    if "ref_rel" in r:  # no worse than a few times the bf16 reference's own rounding
+        assert r["rel"] <= 3 * r["ref_rel"] + 1e-3, (name, r)
+
+
+def test_interpreter_equals_reference(interp_results):
+    cases = {k: v for k, v in interp_results.items() if isinstance(v, dict)}
+    assert len(cases) == 14, sorted(cases)
+    for name, r in cases.items():
+        _check_case(name, r, fp32="float32" in name or name.startswith("dcp"))
+    # the awkward rows exist: the 0-length request and the query that precedes its cache
+    assert cases["r64_bs4_torch.bfloat16_S1"]["n_empty"] == 2 * 3 + 1 * 3
+    assert cases["dcp_local_I1"]["n_empty"] > 0
+
+
+def test_interpreter_tensor_lengths_and_errors(interp_results):
+    assert interp_results["tensor_lengths_equal"]
+    assert interp_results["empty_batch"]
+    bad = [k for k, v in interp_results.items() if k.startswith("raises_") and not v]
+    assert not bad and sum(k.startswith("raises_") for k in interp_results) == 6, bad
+
+
+# ------------------------------------------------------------------------------------- GPU, real shapes
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _gpu_case(H, seq, ql, cdt, ks, bs=16, R=512, P=64, seed=0):
+    from longflash.attention import ops
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nb = sum(-(-L // bs) for L in seq) + 8
+    cache = ops.quantize_to_cache(torch.randn(nb, bs, R + P, device="cuda", generator=g), cdt, ks)
+    perm = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
+    mb = max(-(-L // bs) for L in seq)
+    bt = torch.full((len(seq), mb), -1, dtype=torch.int32, device="cuda")
+    i = 0
+    for b, L in enumerate(seq):
+        n = -(-L // bs)
+        bt[b, :n] = perm[i:i + n]
+        i += n
+    qsl = [0]
+    for n in ql:
+        qsl.append(qsl[-1] + n)
+    q = (torch.randn(qsl[-1], H, R + P, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    return q, cache, bt, qsl
+
+
+@cuda
+@pytest.mark.parametrize("H,seq,ql,cdt,ks", [
+    (16, [4096 + 13, 70000, 1, 0, 777], [1, 1, 1, 1, 1], torch.bfloat16, None),
+    (16, [4096 + 13, 70000, 1, 0, 777], [8, 16, 1, 2, 4], torch.float8_e4m3fn, 0.05),
+    (128, [33000, 5], [1, 4], torch.bfloat16, None),
+    (128, [33000, 5], [2, 1], torch.float8_e4m3fn, 0.3),
+])
+def test_gpu_real_shapes(H, seq, ql, cdt, ks):
+    from longflash.attention import ops
+    from longflash.attention import triton_mla_decode as tk
+    q, cache, bt, qsl = _gpu_case(H, seq, ql, cdt, ks)
+    torch.cuda.synchronize()
+    out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, ks)
+    ro, rl = ops.mla_decode_attention(q.float(), cache, bt, qsl, seq, 576 ** -0.5, 512, ks)
+    empty = rl.isinf()
+    assert torch.equal(lse.isinf(), empty) and bool((out[empty] == 0).all())
+    assert not bool(out.isnan().any() or lse.isnan().any())
+    rel = ((out.float() - ro).norm() / ro.norm()).item()
+    assert rel <= 1e-2, rel
+    assert (lse - rl).masked_fill(empty, 0).abs().max().item() <= 1e-3
+    for S in (1, 7):  # forced split counts give the same function
+        o2, l2 = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, ks, num_splits=S)
+        assert ((o2.float() - ro).norm() / ro.norm()).item() <= 1e-2
+        assert torch.equal(l2.isinf(), empty)
+
+
+if __name__ == "__main__":  # run the interpreter script inline (debugging)
+    exec(_SCRIPT)

@@ -36,7 +36,8 @@ def test_recurrent_triton_equals_reference():
     if torch.cuda.is_available():
         errs = _max_errors("cuda")
     else:
-        env = dict(os.environ, TRITON_INTERPRET="1")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # importable without an install
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-4000:]
         errs = json.loads(r.stdout.strip().splitlines()[-1])

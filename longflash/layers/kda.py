@@ -11,9 +11,10 @@ Output: ``o_proj(RMSNorm_dv(o) * sigmoid(gate))`` with the gate from ``g_proj`` 
 ``g_b_proj(g_a_proj(x))`` (Kimi-Linear, low rank).
 
 Two forms with the same result (tested against each other): ``kda_recurrent`` (one token at a time,
-decode and speculative verify) and ``kda_chunked`` (WY/UT-transform chunks, prefill). Both are
-PyTorch references (the CPU path); ``layers/kda_triton.py`` has the recurrent form as a Triton kernel
-(used for decode/verify on CUDA); the chunked form has no kernel yet.
+decode and speculative verify) and ``kda_chunked`` (WY/UT-transform chunks, prefill; varlen through
+``cu_seqlens``). Both are PyTorch references (the CPU path); on CUDA the layer runs their Triton kernels
+with the same signatures: ``layers/kda_triton.py`` (recurrent) and ``layers/kda_chunked_triton.py`` (chunked;
+all prefill pieces of a step in one call).
 
 State in the engine (``runner/state_pool.py``): per request and KDA layer, the recurrent state
 [H, dk, dv] fp32 and the conv state [3P, K-1] (the last K-1 raw q|k|v projections). A request whose
@@ -106,23 +107,54 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return o, S
 
 
+def check_cu_seqlens(cu_seqlens, T: int, state: torch.Tensor, H: int, dk: int, dv: int, name: str) -> torch.Tensor:
+    """Validate a varlen batch for the chunked form; returns the offsets as an int64 CPU tensor [N+1].
+
+    ``cu_seqlens`` None means one sequence ([0, T]) with ``state`` [H, dk, dv]; otherwise N+1 offsets
+    (0 first, T last, non-decreasing) with ``state`` [N, H, dk, dv]. Raises ValueError naming the problem.
+    """
+    if cu_seqlens is None:
+        if tuple(state.shape) != (H, dk, dv):
+            raise ValueError(f"{name}: state has shape {list(state.shape)}, expected {[H, dk, dv]}")
+        return torch.tensor([0, T], dtype=torch.long)
+    cu = torch.as_tensor(cu_seqlens).to("cpu", torch.long)
+    if cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or cu[-1] != T or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name}: cu_seqlens must be N+1 non-decreasing offsets from 0 to T={T}, got {cu.tolist()}")
+    if tuple(state.shape) != (cu.numel() - 1, H, dk, dv):
+        raise ValueError(f"{name}: state has shape {list(state.shape)}, expected {[cu.numel() - 1, H, dk, dv]} "
+                         f"(one state per sequence of cu_seqlens)")
+    return cu
+
+
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, scale: float, chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+                state: torch.Tensor, scale: float, chunk_size: int | None = None,
+                cu_seqlens: torch.Tensor | list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (parallel) KDA: the same function as ``kda_recurrent``, chunk by chunk.
 
     Inside a chunk with cumulative log decay G_i = sum_{s<=i} g_s (per channel), the delta rule is the
     UT transform: with L_ij = beta_i <k_i, k_j exp(G_i - G_j)> (i > j), T = (I + L)^-1,
     u = T (beta v), w = T (beta k exp(G)); then per chunk v' = u - w S, o = (q exp(G)) S + A_qk v'
     (A_qk_ij = <q_i, k_j exp(G_i - G_j)>, j <= i) and S' = exp(G_C) S + (k exp(G_C - G))^T v'.
-    Same shapes/returns as ``kda_recurrent``; T need not be a multiple of ``chunk_size`` (the tail is
-    padded with g = 0, beta = 0, k = v = 0, which leaves the state unchanged).
+    Same shapes/returns as ``kda_recurrent``; T need not be a multiple of ``chunk_size`` (None:
+    ``DEFAULT_CHUNK_SIZE``; the tail is padded with g = 0, beta = 0, k = v = 0, which leaves the state
+    unchanged). Varlen: with ``cu_seqlens`` (N+1 offsets into T) the N sequences are independent,
+    ``state`` is [N, H, dk, dv] and the final states come back stacked the same way (``check_cu_seqlens``).
+    Raises ValueError for a state or ``cu_seqlens`` that does not fit.
     """
     T, H, dk = k.shape
     dv = v.shape[-1]
+    cu = check_cu_seqlens(cu_seqlens, T, state, H, dk, dv, "kda_chunked")
+    if cu_seqlens is not None:
+        outs, states = [q.new_empty(0, H, dv, dtype=torch.float32)], []
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            o_i, s_i = kda_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state[i], scale, chunk_size)
+            outs.append(o_i)
+            states.append(s_i)
+        return torch.cat(outs), torch.stack(states)
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     S = state.float().clone()
     o = q.new_empty(T, H, dv)
-    C = chunk_size
+    C = chunk_size or DEFAULT_CHUNK_SIZE
     pad = (-T) % C
     if pad:
         q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
@@ -162,6 +194,14 @@ def _recurrent_fn(device: torch.device):
     return kda_recurrent
 
 
+def _chunked_fn(device: torch.device):
+    """The Triton chunked kernel on CUDA (``layers/kda_chunked_triton.py``), the reference elsewhere."""
+    if device.type == "cuda":
+        from longflash.layers.kda_chunked_triton import kda_chunked_triton
+        return kda_chunked_triton
+    return kda_chunked
+
+
 class KimiDeltaAttention(nn.Module):
     """One KDA layer with checkpoint names (``shared/specs/kimi_k3_checkpoint.md`` §4, Kimi-Linear):
     ``{q,k,v}_proj``, ``{q,k,v}_conv1d`` [P, 1, K], ``f_a_proj``, ``f_b_proj``, ``b_proj``, ``g_proj`` (full
@@ -171,13 +211,16 @@ class KimiDeltaAttention(nn.Module):
     longer 1-D vector (Kimi-K3 pads it to 128; the first H are used). ``state_pool``/``state_layer``
     are set by the model runner; without a pool every forward starts from a zero state.
 
+    ``chunk_size``: tokens per chunk of the prefill form (None: each form's default, 64 for the reference on
+    the CPU, ``KERNEL_CHUNK_SIZE`` = 16 for the Triton kernel on CUDA; the result does not depend on it).
+
     forward: hidden [T, hidden_size] -> [T, hidden_size] (reads the forward context:
     ``query_start_loc_cpu``, ``context_lens_cpu``, ``is_decode`` and ``extras["state_slots"]``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel_size: int = 4,
                  rms_norm_eps: float = 1e-5, full_rank_gate: bool = False, gate_lower_bound: float | None = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE):
+                 chunk_size: int | None = None):
         super().__init__()
         P = num_heads * head_dim
         self.num_heads, self.head_dim, self.conv_kernel_size = num_heads, head_dim, conv_kernel_size
@@ -265,6 +308,23 @@ class KimiDeltaAttention(nn.Module):
         pool.recurrent[layer][slots_t] = S1.view(B, H, d, d)
         pool.conv[layer][slots_t] = c1.to(pool.conv[layer].dtype)
 
+    def _chunked_prefill(self, prefills: list, o: torch.Tensor) -> None:
+        """All prefill pieces of a step in one varlen chunked call (``cu_seqlens``), then their states written.
+
+        prefills: (start, end, slot or None, (q, k, v, g, beta), initial state [H, dk, dv], new conv state).
+        """
+        qkvgb = [torch.cat([p[3][j] for p in prefills]) for j in range(5)]
+        lens = [e - s for s, e, *_ in prefills]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        S0 = torch.stack([p[4] for p in prefills])  # a copy: the slots are written below
+        ob, S1 = _chunked_fn(o.device)(*qkvgb, S0, self.scale, self.chunk_size, cu_seqlens=cu)
+        for n, (s, e, slot, _, _, c1) in enumerate(prefills):
+            o[s:e] = ob[cu[n]:cu[n + 1]]
+            if slot is not None:
+                self.state_pool.write(self.state_layer, slot, S1[n], c1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         T, H, d = x.shape[0], self.num_heads, self.head_dim
@@ -289,6 +349,7 @@ class KimiDeltaAttention(nn.Module):
                 self._batched_decode(batched, [qsl[i] for i in batched], [slots[i] for i in batched],
                                      raw, f, b, w, o)
         skip = set(batched)
+        prefills = []
         for i in range(ctx.num_reqs):
             s, e = qsl[i], qsl[i + 1]
             if e == s or i in skip:
@@ -301,14 +362,16 @@ class KimiDeltaAttention(nn.Module):
                 S0, c0 = pool.read(self.state_layer, slot)
             mixed, c1 = causal_conv1d(raw[s:e], c0, w)
             q, k, v, g, beta = self.kernel_inputs(mixed, f[s:e], b[s:e])
-            if ctx.is_decode[i]:
-                o[s:e], S1 = _recurrent_fn(x.device)(q, k, v, g, beta, S0, self.scale)
-            else:
-                o[s:e], S1 = kda_chunked(q, k, v, g, beta, S0, self.scale, self.chunk_size)
+            if not ctx.is_decode[i]:
+                prefills.append((s, e, slot, (q, k, v, g, beta), S0, c1))
+                continue
+            o[s:e], S1 = _recurrent_fn(x.device)(q, k, v, g, beta, S0, self.scale)
             if slot is not None:
                 if verify is not None and verify[i]:  # before the write: S0, c0 are views of the slot
                     pool.record_verify(self.state_layer, slot, S0, c0, raw[s:e], k, v, g, beta)
                 pool.write(self.state_layer, slot, S1, c1)
+        if prefills:
+            self._chunked_prefill(prefills, o)
         # gated RMSNorm over dv, fp32 (HF KimiLinearRMSNormGated)
         var = o.pow(2).mean(-1, keepdim=True)
         y = o * torch.rsqrt(var + self.eps) * self.o_norm.weight.float()

@@ -44,6 +44,28 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
+def write_rows(flat: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """``flat[slot_mapping[t]] = rows[t]`` for every t with a slot >= 0, without a device -> host sync
+    (no boolean-mask indexing), so it runs inside a CUDA graph.
+
+    Args:
+        flat: [num_slots, *row_shape], written in place. rows: [T, *row_shape], flat's dtype.
+        slot_mapping: [T] int64, -1 = skip.
+    NOTE: entries with slot -1 are redirected to the slot of the first valid entry and carry that
+    entry's row, so duplicate indices always write identical bytes (index_copy_'s order among
+    duplicates does not matter); with no valid entry at all they rewrite row 0 with its own content.
+    """
+    if rows.shape[0] == 0:
+        return
+    valid = slot_mapping >= 0
+    first = valid.to(torch.int32).argmax()  # first valid entry (0 when there is none)
+    any_valid = valid[first]
+    fb_slot = torch.where(any_valid, slot_mapping[first], torch.zeros_like(slot_mapping[first]))
+    fb_row = torch.where(any_valid, rows[first], flat[0])
+    row_mask = valid.view(-1, *([1] * (rows.dim() - 1)))
+    flat.index_copy_(0, torch.where(valid, slot_mapping, fb_slot), torch.where(row_mask, rows, fb_row))
+
+
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None) -> None:
     """Write MLA latent rows ``[kv_c | k_pe]`` into a paged cache (vLLM ``concat_and_cache_mla``).
@@ -57,11 +79,8 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         k_scale: dequantization multiplier for an fp8 cache (stored = sat(x / k_scale)).
     """
     num_blocks, block_size, width = kv_cache.shape
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        kv_c, k_pe, slot_mapping = kv_c[valid], k_pe[valid], slot_mapping[valid]
     rows = quantize_to_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache.dtype, k_scale)
-    _bytes(kv_cache).view(num_blocks * block_size, width).index_copy_(0, slot_mapping, _bytes(rows))
+    write_rows(_bytes(kv_cache).view(num_blocks * block_size, width), slot_mapping, _bytes(rows))
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -69,13 +88,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       v_scale: float | torch.Tensor | None = None) -> None:
     """Write GQA keys/values [T, kv_heads, head_dim] into caches [num_blocks, block_size, kv_heads, head_dim]."""
     nb, bs = key_cache.shape[:2]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    _bytes(key_cache).view(nb * bs, *key_cache.shape[2:]).index_copy_(
-        0, slot_mapping, _bytes(quantize_to_cache(key, key_cache.dtype, k_scale)))
-    _bytes(value_cache).view(nb * bs, *value_cache.shape[2:]).index_copy_(
-        0, slot_mapping, _bytes(quantize_to_cache(value, value_cache.dtype, v_scale)))
+    write_rows(_bytes(key_cache).view(nb * bs, *key_cache.shape[2:]), slot_mapping,
+               _bytes(quantize_to_cache(key, key_cache.dtype, k_scale)))
+    write_rows(_bytes(value_cache).view(nb * bs, *value_cache.shape[2:]), slot_mapping,
+               _bytes(quantize_to_cache(value, value_cache.dtype, v_scale)))
 
 
 def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
@@ -148,9 +164,10 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                         query_start_loc: list[int], seq_lens: list[int], scale: float, kv_lora_rank: int,
-                         k_scale: float | torch.Tensor | None = None,
-                         max_rows_per_piece: int = DECODE_PIECE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+                         query_start_loc: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor, scale: float,
+                         kv_lora_rank: int, k_scale: float | torch.Tensor | None = None,
+                         max_rows_per_piece: int = DECODE_PIECE_ROWS, *, max_query_len: int | None = None,
+                         max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention over a paged latent cache, multi-token causal queries allowed.
 
     Args:
@@ -164,10 +181,23 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             ``q_len_b`` positions of its ``seq_lens[b]`` cached tokens (causal among themselves).
         seq_lens: B, cached tokens per request (the queries' own rows included).
         scale: softmax scale.
+        max_query_len / max_seq_len: host-side bounds for tensor lengths (below).
     Returns:
         out [T, H, kv_lora_rank] in q's dtype (multiply by W_UV next), lse [T, H] fp32.
+
+    ``query_start_loc`` and ``seq_lens`` may instead be int32 device tensors ([B + 1], [B]): then no
+    length is read on the host (no device sync; the path a CUDA graph captures). Every request is
+    padded to ``max_query_len`` queries (default T) and ``max_seq_len`` rows (default: the block
+    table's capacity), which must bound the true lengths; rows past a request's own are masked, and a
+    block-table entry of -1 is read as block 0 and masked likewise.
     """
     T, H, _ = q.shape
+    if isinstance(seq_lens, torch.Tensor):
+        def planes(start, n):
+            kv = gather_padded_rows(kv_cache, block_table, start, n, q.dtype, k_scale)[:, :, None, :]
+            return kv, kv[..., :kv_lora_rank]
+        return _padded_attention(q, query_start_loc, seq_lens, scale, planes, kv_cache.shape[1],
+                                 block_table.shape[1], max_query_len, max_seq_len, max_rows_per_piece)
     out = q.new_zeros(T, H, kv_lora_rank)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     for b in range(len(seq_lens)):
@@ -186,18 +216,26 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
 
 
 def paged_gqa_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                        query_start_loc: list[int], seq_lens: list[int], scale: float,
+                        query_start_loc: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor, scale: float,
                         k_scale: float | torch.Tensor | None = None,
                         v_scale: float | torch.Tensor | None = None,
-                        max_rows_per_piece: int = DECODE_PIECE_ROWS) -> torch.Tensor:
+                        max_rows_per_piece: int = DECODE_PIECE_ROWS, *, max_query_len: int | None = None,
+                        max_seq_len: int | None = None) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its cached keys/values.
 
     Args:
         q: [T, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim].
-        query_start_loc / seq_lens: as in :func:`mla_decode_attention`.
+        query_start_loc / seq_lens / max_query_len / max_seq_len: as in :func:`mla_decode_attention`
+            (device tensors take the sync-free padded path).
     Returns:
         [T, num_heads, head_dim] in q's dtype.
     """
+    if isinstance(seq_lens, torch.Tensor):
+        def planes(start, n):
+            return (gather_padded_rows(key_cache, block_table, start, n, q.dtype, k_scale),
+                    gather_padded_rows(value_cache, block_table, start, n, q.dtype, v_scale))
+        return _padded_attention(q, query_start_loc, seq_lens, scale, planes, key_cache.shape[1],
+                                 block_table.shape[1], max_query_len, max_seq_len, max_rows_per_piece)[0]
     T, H, D = q.shape
     kvh = key_cache.shape[2]
     rep = H // kvh
@@ -230,6 +268,70 @@ def _paged_pieces(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: i
         cu = torch.tensor([0, n], dtype=torch.int32, device=cache.device)
         st = torch.tensor([start], dtype=torch.int32, device=cache.device)
         yield start, gather_and_maybe_dequant_cache(cache, row, cu, st, out_dtype, k_scale)
+
+
+def gather_padded_rows(cache: torch.Tensor, block_table: torch.Tensor, start: int, n: int, out_dtype: torch.dtype,
+                 k_scale: float | torch.Tensor | None) -> torch.Tensor:
+    """Cached rows at positions [start, start + n) of every request of ``block_table``.
+
+    Args:
+        cache: [num_blocks, block_size, *row_shape], model dtype or float8_e4m3fn (dequantized with
+            ``k_scale``). block_table: [B, max_blocks] int32 covering positions < start + n.
+    Returns:
+        [B, n, *row_shape] in ``out_dtype``. No device -> host sync: a -1 table entry reads block 0
+        (the caller masks positions past each request's length).
+    """
+    bs = cache.shape[1]
+    pos = torch.arange(start, start + n, device=cache.device)
+    blocks = block_table[:, pos // bs].long().clamp(min=0)
+    flat = _bytes(cache).reshape(cache.shape[0] * bs, *cache.shape[2:])
+    rows = flat[blocks * bs + pos % bs]
+    if cache.dtype == FP8_DTYPE:
+        rows = rows.view(FP8_DTYPE)
+    return dequantize_from_cache(rows, out_dtype, k_scale)
+
+
+def _padded_attention(q: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, planes,
+                      block_size: int, max_blocks: int, max_query_len: int | None, max_seq_len: int | None,
+                      max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal paged attention with device-tensor lengths and host bounds (no device sync).
+
+    q [T, H, D]; ``planes(start, n)`` -> keys [B, n, G, D], values [B, n, G, Dv] of positions
+    [start, start + n) (G kv heads, head h reads group h // (H / G)). Queries go to a padded
+    [B, max_query_len] layout; query j of request b sits at position ``seq_lens[b] - q_len_b + j``
+    and sees keys at positions <= it. Pieces of at most ``max_rows`` rows are merged by LSE as in the
+    list path. Returns out [T, H, Dv] in q's dtype, lse [T, H] fp32.
+    """
+    T, H, D = q.shape
+    B = seq_lens.numel()
+    dev = q.device
+    Mq = T if max_query_len is None else max_query_len
+    L = max_blocks * block_size if max_seq_len is None else min(max_seq_len, max_blocks * block_size)
+    qsl = query_start_loc.long()
+    t = torch.arange(T, device=dev)
+    req = torch.searchsorted(qsl[1:], t, right=True)
+    j = t - qsl[req]
+    pos = seq_lens.long()[req] - (qsl[req + 1] - qsl[req]) + j
+    slot = req * Mq + j
+    qp = q.new_zeros(B * Mq, H, D).index_copy_(0, slot, q)
+    qpos = torch.full((B * Mq,), -1, dtype=torch.long, device=dev).index_copy_(0, slot, pos).view(B, Mq)
+    step = max(block_size, max_rows // block_size * block_size)
+    out, lse = None, None
+    for start in range(0, L, step):
+        n = min(step, L - start)
+        k, v = planes(start, n)
+        G = k.shape[2]
+        scores = torch.einsum("bqgrd,bkgd->bgrqk", qp.view(B, Mq, G, H // G, D).float(), k.float()) * scale
+        hidden = torch.arange(start, start + n, device=dev)[None, None, :] > qpos[:, :, None]  # [B, Mq, n]
+        scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
+        l = torch.logsumexp(scores, dim=-1).permute(0, 3, 1, 2).reshape(B * Mq, H)
+        # A query with no visible key has an all -inf row: softmax gives NaN there; its output is 0.
+        probs = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0)
+        o = torch.einsum("bgrqk,bkgd->bqgrd", probs, v.float()).reshape(B * Mq, H, v.shape[-1]).to(q.dtype)
+        out, lse = (o, l) if out is None else merge_attn_states(out, lse, o, l)
+    if out is None:  # no key positions at all
+        return q.new_zeros(T, H, planes(0, 0)[1].shape[-1]), torch.full((T, H), float("-inf"), device=dev)
+    return out[slot], lse[slot]
 
 
 def merge_attn_states(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix_output: torch.Tensor,

@@ -28,6 +28,13 @@ class ForwardContext:
         query_start_loc_cpu / seq_lens_cpu / context_lens_cpu: the same as Python lists (no syncs).
         block_size: tokens per physical block.
         logits_indices: [N] int64, token rows whose logits are needed (one per sampled position).
+        uniform_decode: every request decodes ``max_query_len`` tokens (a plain decode step, or a
+            speculative verify with the same number of drafts everywhere). Attention layers then take
+            one batched call that reads only the device tensors plus the host bounds below, never the
+            per-request lists: the path a CUDA graph captures (the lists may describe the capture's
+            batch, not the replayed one).
+        max_query_len / max_seq_len: host-side upper bounds of the query lengths and of ``seq_lens``
+            (under a CUDA graph: the bucket's capacity); 0 = unknown (compute from the lists).
     """
 
     positions: torch.Tensor
@@ -43,6 +50,9 @@ class ForwardContext:
     block_size: int
     logits_indices: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    uniform_decode: bool = False
+    max_query_len: int = 0
+    max_seq_len: int = 0
 
     @property
     def num_reqs(self) -> int:

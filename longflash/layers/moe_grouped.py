@@ -1,0 +1,102 @@
+"""Capture-safe MoE dispatch over stacked expert weights (no data-dependent shapes, no host sync).
+
+The eager dispatch (``moe.run_experts``) visits each expert hit with ``torch.unique(...).tolist()`` and
+``torch.where`` (host syncs, shapes that change with the routing), which a CUDA graph cannot hold.
+Here the routed experts' weights are stacked (``w13 [E, 2I, D]`` = gate rows then up rows, ``w2
+[E, D_out, I]``, nn.Linear layout) and:
+
+* :func:`grouped_experts_ref` — the PyTorch reference: every expert over every token, weighted by its
+  routing weight (0 where not chosen) and summed in expert order, which equals ``run_experts`` (same
+  per-token products, same order of additions; the unchosen experts add exact zeros).
+* ``moe_grouped_triton.grouped_experts_triton`` — the same function on the GPU, reading only the
+  chosen experts' weights: the (token, slot) rows are sorted by expert into blocks of BLOCK_M rows
+  (:func:`align_by_expert`, a fixed-size layout bounded without a host sync) and one grouped GEMM per
+  projection runs over the blocks (vLLM's fused_moe layout).
+
+Stacking (:func:`stack_expert_weights`) re-points each expert's ``nn.Linear`` weights at views of the
+stacked tensors, so no memory is duplicated and the eager path keeps working on the same storage.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def stack_expert_weights(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ``GatedMLP`` experts into (w13 [E, 2I, D], w2 [E, D_out, I]) and make every expert's
+    ``gate_proj``/``up_proj``/``down_proj`` weight a view of them (the old storage is released).
+
+    Raises ValueError when the experts' shapes or dtypes differ or a projection has a bias."""
+    g0 = experts[0].gate_proj.weight
+    for m in experts:
+        for lin in (m.gate_proj, m.up_proj, m.down_proj):
+            if lin.bias is not None:
+                raise ValueError("stacked MoE experts must have no bias")
+        if m.gate_proj.weight.shape != g0.shape or m.up_proj.weight.shape != g0.shape \
+                or m.gate_proj.weight.dtype != g0.dtype:
+            raise ValueError("all routed experts must have the same shapes and dtype to be stacked")
+    I = g0.shape[0]
+    with torch.no_grad():
+        w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
+        w2 = torch.stack([m.down_proj.weight for m in experts])
+    for e, m in enumerate(experts):
+        m.gate_proj.weight = nn.Parameter(w13[e, :I], requires_grad=False)
+        m.up_proj.weight = nn.Parameter(w13[e, I:], requires_grad=False)
+        m.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
+    return w13, w2
+
+
+def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, act_and_mul: Callable) -> torch.Tensor:
+    """Routed experts without data-dependent shapes (PyTorch reference of the grouped kernel).
+
+    Args:
+        x: [T, D] activations. w13: [E, 2I, D] (gate rows, then up rows). w2: [E, D_out, I].
+        topk_weights: [T, k] fp32 routing weights. topk_ids: [T, k] int64 expert ids in [0, E),
+            distinct within a row.
+        act_and_mul: the gated activation ``act(gate, up)``.
+    Returns:
+        [T, D_out] in x's dtype: Σ over chosen experts e of ``w_e · down_e(act(gate_e x, up_e x))``,
+        each product rounded to x's dtype and added in ascending expert order, as ``moe.run_experts``.
+    """
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    combine = torch.zeros(x.shape[0], E, dtype=topk_weights.dtype, device=x.device)
+    combine.scatter_(1, topk_ids, topk_weights)  # [T, E]: the routing weight, 0 where not chosen
+    out = x.new_zeros(x.shape[0], w2.shape[1])
+    for e in range(E):
+        h = torch.nn.functional.linear(x, w13[e])
+        y = torch.nn.functional.linear(act_and_mul(h[:, :I], h[:, I:]), w2[e])
+        out += y * combine[:, e, None].to(x.dtype)
+    return out
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the flattened (token, slot) rows by expert into blocks of ``block_m`` rows, each block
+    holding one expert's rows (the last block of an expert padded).
+
+    topk_ids [T, k] -> (sorted_rows [max_blocks * block_m] int32: flat row t*k + slot, or T*k for
+    padding; block_expert [max_blocks] int32: the expert of each block, -1 for unused blocks), with
+    ``max_blocks = T*k // block_m + min(T*k, E)``, a bound on the padded count known without a sync.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    first_padded = pad_end - padded
+    first_sorted = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    dest = first_padded[expert_of] + torch.arange(n, device=dev) - first_sorted[expert_of]
+    max_blocks = n // block_m + min(n, num_experts)
+    sorted_rows = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_rows.index_copy_(0, dest, order.to(torch.int32))
+    blocks = torch.arange(max_blocks, device=dev)
+    block_end = pad_end // block_m
+    block_expert = torch.searchsorted(block_end, blocks, right=True)
+    block_expert = torch.where(blocks < block_end[-1], block_expert, torch.full_like(block_expert, -1))
+    return sorted_rows, block_expert.to(torch.int32)

@@ -19,9 +19,8 @@ Design (memory-bound at decode: each cache row must be read once per request for
 - stage 2 (only with several splits), grid (query row, column tile): combines the splits' partial
   (out, lse) by LSE (the formula of ``merge_attn_states``: m = max lse, w_s = e^(lse_s − m),
   out = Σ w_s out_s / Σ w_s, lse = m + log Σ w_s; an empty split has weight exactly 0).
-- number of splits: enough programs for ~2 per SM when batch × head-groups is small, each split at
-  least ``MIN_SPLIT_ROWS`` rows, and the fp32 partial traffic at most a few % of the cache bytes (or
-  small enough to stay in L2).
+- number of splits (:func:`choose_num_splits`): the minimum of a time model that weighs filling the
+  SMs (batch × head-groups × splits programs, wave quantization) against the partials' traffic.
 
 Bytes moved (the decode roofline): Σ_b seq_len_b · W · elem (cache rows) + q, out, lse, block table;
 FLOPs 2 · Σ_b q_len_b · H · seq_len_b · (W + kv_lora_rank). ``benchmarks/NOTES.md`` has the numbers.
@@ -34,6 +33,7 @@ software-pipelines.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -48,10 +48,10 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MIN_SPLIT_ROWS = 256
 MAX_SPLITS = 256
-# Partial results (fp32 out + lse, written and read once) may take this fraction of the cache bytes,
-# or up to PARTIAL_L2_BYTES (they then live in L2 between the two stages).
-PARTIAL_FRACTION = 0.05
-PARTIAL_L2_BYTES = 16 << 20
+# Rates of the split-count model (choose_num_splits): H200 copy bandwidth, and a bf16 tensor-core rate
+# this kernel may reach (about half the measured GEMM rate).
+NOMINAL_BW = 4.0e12
+NOMINAL_FLOPS = 4.0e14
 
 
 @triton.jit
@@ -238,29 +238,59 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     """Tile shape for a batch whose largest request has ``max_query_rows`` = q_len · H query rows:
     BLOCK_M (query rows per program, >= 16 for ``tl.dot``), BLOCK_N (cache rows per step), num_warps,
     num_stages, V_RELOAD (load the value tile a second time instead of reusing the key tile: with an
-    fp8 cache and mma.sync tiles this lets Triton pipeline the byte loads through shared memory).
+    fp8 cache and mma.sync tiles this lets Triton pipeline the byte loads through shared memory),
+    occupancy (programs resident per SM, from the shared-memory size; used by the split count).
     Chosen from the sm_90 compile reports in ``benchmarks/NOTES.md``; ``benchmarks/mla_decode.py``
     sweeps alternatives."""
     fp8 = cache_dtype == FP8_DTYPE
     if max_query_rows <= 32:
         return {"BLOCK_M": 16 if max_query_rows <= 16 else 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3,
-                "V_RELOAD": fp8}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3 if fp8 else 2, "V_RELOAD": False}
+                "V_RELOAD": fp8, "occupancy": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3 if fp8 else 2, "V_RELOAD": False,
+            "occupancy": 1}
 
 
+def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dict]:
+    """Tile configs that ``benchmarks/mla_decode.py`` times against each other (the default first);
+    ``benchmarks/mla_decode_sm90_report.py`` lists their sm_90 compile reports."""
+    fp8 = cache_dtype == FP8_DTYPE
+    d = default_config(max_query_rows, cache_dtype)
+    if max_query_rows <= 32:
+        m = d["BLOCK_M"]
+        cands = [d, dict(d, BLOCK_N=64), dict(d, BLOCK_N=16, num_warps=4, num_stages=4),
+                 dict(d, num_warps=4), dict(d, num_stages=4)]
+        if fp8:
+            cands.append(dict(d, V_RELOAD=False))
+        return [dict(c, BLOCK_M=m) for c in cands]
+    return [d, dict(d, BLOCK_N=64, num_stages=2), dict(d, BLOCK_N=16, num_stages=3),
+            dict(d, BLOCK_M=32, num_stages=3, V_RELOAD=fp8, occupancy=2),
+            dict(d, BLOCK_M=16, num_stages=3, V_RELOAD=fp8, occupancy=2)]
+
+
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch: int, head_groups: int, max_kv_len: int, query_rows: int, kv_lora_rank: int,
-                      row_bytes: int, sm_count: int) -> int:
-    """kv-splits per request: ~2 programs per SM in total, at least ``MIN_SPLIT_ROWS`` cache rows per
-    split, and the fp32 partial traffic (``query_rows · (kv_lora_rank + 1) · 4`` bytes per split and
-    request, written and read) within ``PARTIAL_FRACTION`` of the cache bytes or ``PARTIAL_L2_BYTES``."""
+                      width: int, row_bytes: int, slots: int) -> int:
+    """kv-splits per request, minimizing a time model (cached: no per-call host cost).
+
+    ``t(S) = base / eff(S) + partial(S) / BW``: ``base`` = max(cache bytes / BW, FLOPs / rate) at
+    nominal H200 rates (``NOMINAL_BW``, ``NOMINAL_FLOPS``); ``eff`` = programs / (waves · slots), the
+    filled fraction of the ``slots`` = SMs × resident programs per SM (wave quantization included;
+    fewer programs than slots leave SMs idle); ``partial`` = the fp32 split results written and
+    read, ``2 · batch · query_rows · (kv_lora_rank + 1) · 4 · S`` bytes. Each split covers at least
+    ``MIN_SPLIT_ROWS`` rows; a near-tie (within 2 %) keeps the smaller S."""
     if max_kv_len <= 0:
         return 1
-    s = triton.cdiv(2 * sm_count, max(1, batch * head_groups))
-    s = min(s, triton.cdiv(max_kv_len, MIN_SPLIT_ROWS), MAX_SPLITS)
-    per_split = 2 * batch * query_rows * (kv_lora_rank + 1) * 4
-    budget = max(PARTIAL_FRACTION * batch * max_kv_len * row_bytes, PARTIAL_L2_BYTES)
-    s = min(s, int(budget // max(per_split, 1)))
-    return max(1, s)
+    base = max(batch * max_kv_len * row_bytes / NOMINAL_BW,
+               2.0 * batch * query_rows * max_kv_len * (width + kv_lora_rank) / NOMINAL_FLOPS)
+    best_s, best_t = 1, float("inf")
+    for s in range(1, min(MAX_SPLITS, triton.cdiv(max_kv_len, MIN_SPLIT_ROWS)) + 1):
+        programs = batch * head_groups * s
+        eff = programs / (triton.cdiv(programs, slots) * slots)
+        partial = 2.0 * batch * query_rows * (kv_lora_rank + 1) * 4 * s / NOMINAL_BW if s > 1 else 0.0
+        t = base / eff + partial
+        if t < best_t * 0.98:
+            best_s, best_t = s, t
+    return best_s
 
 
 def _as_int32(x, device: torch.device) -> torch.Tensor:
@@ -323,6 +353,9 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
     if block_table.dim() != 2 or block_table.device != q.device or kv_cache.device != q.device:
         raise ValueError("block_table must be 2-D and q, kv_cache, block_table on one device")
+    if not q.is_cuda and not _interpret():
+        raise ValueError("the Triton MLA decode kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                         "Triton is imported); on the CPU use ops.mla_decode_attention")
     B = (query_start_loc.numel() if isinstance(query_start_loc, torch.Tensor) else len(query_start_loc)) - 1
     nb = seq_lens.numel() if isinstance(seq_lens, torch.Tensor) else len(seq_lens)
     if B < 0 or nb != B or block_table.shape[0] < B:
@@ -362,8 +395,8 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
     groups = max(1, triton.cdiv(max_query_len * H, BLOCK_M))
     row_bytes = W * kv_cache.element_size()
-    S = num_splits or choose_num_splits(B, groups, max_seq_len, min(max_query_len * H, groups * BLOCK_M), R,
-                                        row_bytes, _sm_count(q.device))
+    S = num_splits or choose_num_splits(B, groups, max_seq_len, max_query_len * H, R, W, row_bytes,
+                                        _sm_count(q.device) * cfg["occupancy"])
     BLOCK_R, BLOCK_P = triton.next_power_of_2(R), max(16, triton.next_power_of_2(P))
     ks = 1.0 if k_scale is None or not fp8 else float(k_scale)
     interp = _interpret() or not q.is_cuda

@@ -1,0 +1,128 @@
+"""Compile the MLA decode kernels for sm_90 on a machine without a GPU and report, per tile config,
+what costs no device time (HOPPER.md / METHOD.md): registers, spills, shared memory, the matrix
+instruction (``wgmma`` or ``mma.sync``), and whether every 2-D load of the kv loop became a pipelined
+``cp.async`` into multi-buffered shared memory.
+
+    python benchmarks/mla_decode_sm90_report.py [--out DIR]
+
+Uses Triton's ahead-of-time ``triton.compile`` with a ``GPUTarget("cuda", 90, 32)`` and the ``ptxas``
+bundled with Triton (``-v``). Pointer/stride arguments are marked 16-divisible as the JIT does for
+real tensors (without that no load is vectorized and nothing is pipelined). Also compiles the variants
+the engine may launch (fp32 queries, DCP visible lengths, unsplit output, stage 2) so a compile error
+shows here rather than on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longflash.attention import triton_mla_decode as m  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, sig: dict, const: dict, div: list[str], num_warps: int, num_stages: int):
+    for k in const:
+        sig[k] = "constexpr"
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def stage1(fp8: bool, cfg: dict, split: bool = True, qdt: str = "bf16", has_vis: bool = False, R=512, P=64):
+    sig = {"q_ptr": f"*{qdt}", "cache_ptr": "*u8" if fp8 else f"*{qdt}", "bt_ptr": "*i32", "qsl_ptr": "*i32",
+           "kvlen_ptr": "*i32", "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{qdt}", "lse_ptr": "*fp32",
+           "H": "i32", "block_size": "i32", "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32",
+           "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32"}
+    const = dict(R=R, P=P, BLOCK_R=triton.next_power_of_2(R), BLOCK_P=max(16, triton.next_power_of_2(P)),
+                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], FP8=fp8, HW_FP8=True, HAS_VIS=has_vis, SPLIT=split,
+                 DOT_IEEE=qdt == "fp32", V_RELOAD=bool(cfg["V_RELOAD"]), INTERPRET=False)
+    div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr", "H", "block_size",
+           "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
+    return _compile(m._mla_decode_stage1, sig, const, div, cfg["num_warps"], cfg["num_stages"])
+
+
+def stage2(block_s: int, block_c: int, qdt: str = "bf16"):
+    sig = {"part_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": f"*{qdt}", "lse_ptr": "*fp32", "H": "i32",
+           "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"}
+    const = dict(R=512, BLOCK_R=512, BLOCK_S=block_s, BLOCK_C=block_c)
+    return _compile(m._mla_decode_stage2, sig, const, ["part_ptr", "plse_ptr", "out_ptr", "lse_ptr", "stride_ot",
+                                                        "stride_oh"], 4, 1)
+
+
+def report(kernel) -> dict:
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    info = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                          text=True).stderr
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    loop = ttgir[ttgir.index("scf.for"):] if "scf.for" in ttgir else ""
+    bufs = [re.search(r"memdesc<([^,]*),", ln).group(1) for ln in ttgir.splitlines() if "local_alloc : ()" in ln]
+    return {"regs": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
+            "smem": kernel.metadata.shared,
+            "mma": "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-",
+            "buffers": bufs, "unpipelined_2d_loads": len(re.findall(r"= tt\.load .*tensor<\d+x\d+x", loop))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+    rows = []
+    for fp8 in (False, True):
+        dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        for q_rows in (16, 128):
+            for i, cfg in enumerate(m.candidate_configs(q_rows, dt)):
+                r = dict(cache="fp8" if fp8 else "bf16", q_rows=q_rows, default=i == 0, **cfg)
+                try:
+                    r.update(report(stage1(fp8, cfg)))
+                except Exception as e:  # noqa: BLE001  (a compile failure is a result here)
+                    r["error"] = repr(e)[:500]
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    d = m.default_config(16, torch.bfloat16)
+    for name, kw in (("unsplit bf16 out", dict(split=False)), ("fp32 q (ieee dots)", dict(qdt="fp32")),
+                     ("DCP visible lengths", dict(has_vis=True)), ("default-model width 64+16", dict(R=64, P=16))):
+        r = dict(variant=name)
+        try:
+            r.update(report(stage1(False, d, **kw)))
+        except Exception as e:  # noqa: BLE001
+            r["error"] = repr(e)[:500]
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    for bs_, bc in ((4, 512), (32, 128), (256, 16)):
+        r = dict(variant=f"stage2 BLOCK_S={bs_} BLOCK_C={bc}")
+        try:
+            r.update(report(stage2(bs_, bc)))
+        except Exception as e:  # noqa: BLE001
+            r["error"] = repr(e)[:500]
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mla_decode_sm90_report.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    bad = [r for r in rows if "error" in r]
+    if bad:
+        sys.exit(f"{len(bad)} variants failed to compile")
+
+
+if __name__ == "__main__":
+    main()

@@ -45,7 +45,6 @@ from longflash.attention.ops import DECODE_PIECE_ROWS, FP8_DTYPE
 from longflash.attention.triton_ops import _from_e4m3_bits
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MIN_SPLIT_ROWS = 256
 MAX_SPLITS = 256
 # Rates of the split-count model (choose_num_splits): H200 copy bandwidth, and a bf16 tensor-core rate

@@ -126,7 +126,7 @@ class MLAAttention(nn.Module):
                 q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
                 self.scale, self.kv_lora_rank, ps.dcp, ps.cp_kv_cache_interleave_size, self._k_scale())
             return torch.einsum("thr,hvr->thv", o_lat, w_uv)
-        o_lat, _ = ops.mla_decode_attention(
+        o_lat, _ = decode_op(self.kv_cache)(
             q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
             self.scale, self.kv_lora_rank, self._k_scale())
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
@@ -195,6 +195,15 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
         return k, v
+
+
+def decode_op(cache: torch.Tensor):
+    """The absorbed MLA decode attention for ``cache``'s device: the Triton kernel
+    (``triton_mla_decode``) on a GPU, the PyTorch reference elsewhere (same signature)."""
+    if cache.is_cuda:
+        from longflash.attention import triton_mla_decode
+        return triton_mla_decode.mla_decode_attention
+    return ops.mla_decode_attention
 
 
 def cache_ops(cache: torch.Tensor):

@@ -101,10 +101,15 @@ class Timer:
         torch.cuda.current_stream().wait_stream(s)
         g = None
         if graph:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            run = g.replay
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                run = g.replay
+            except Exception as e:  # noqa: BLE001  (time eagerly, and say so)
+                print(f"graph capture failed ({e!r:.200}); timing eagerly", flush=True)
+                RESULT.setdefault("eager_fallbacks", []).append(repr(e)[:300])
+                g, run = None, fn
         run()
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -198,6 +203,15 @@ def measure(caches, ceil, dtype, B, L, ql, heads=H, bs=BS, cfg=None, S=None) -> 
             else "flops", "splits": splits, "config": used}
 
 
+def try_measure(*args, **kw) -> dict:
+    """:func:`measure`, or the error (a failing config must not stop the run)."""
+    try:
+        return measure(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        print("measure failed", args[2:], kw, repr(e)[:300], flush=True)
+        return {"error": repr(e)[:500], "args": [str(a) for a in args[2:]], "kw": {k: str(v) for k, v in kw.items()}}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -266,6 +280,10 @@ def write_md() -> str:
         rows = [r for r in RESULT[key] if "time_us" in r]
         if rows:
             lines += ["", f"## {title}", "", HEADER] + [fmt_row(r) for r in rows]
+    failed = [r for r in RESULT["sweep"] if not r["check"].get("ok") or "error" in r]
+    if failed:
+        lines += ["", "Sweep candidates that failed (check or run): " + "; ".join(
+            str(r["check"].get("config") or r.get("error")) for r in failed)]
     skipped = RESULT.get("skipped", [])
     if skipped:
         lines += ["", f"Skipped (time budget): {len(skipped)} rows"]
@@ -304,9 +322,10 @@ def main() -> None:
         if over_budget():
             RESULT["skipped"].append([d, B, L, ql])
             continue
-        r = measure(caches, ceil, d, B, L, ql)
+        r = try_measure(caches, ceil, d, B, L, ql)
         RESULT["rows"].append(r)
-        print(fmt_row(r), flush=True)
+        if "time_us" in r:
+            print(fmt_row(r), flush=True)
         save()
     # 3. tile-config sweep at B=16, 32K (each candidate checked against the reference first)
     Bs, Ls = BATCHES[1], CONTEXTS[1]
@@ -316,11 +335,15 @@ def main() -> None:
                 if over_budget():
                     RESULT["skipped"].append(["sweep", d, ql, cfg])
                     continue
-                c = finish_check(check(caches, d, [small + 7, big // 2 + 3], [ql, ql], cfg=cfg, S=2))
+                try:
+                    c = finish_check(check(caches, d, [small + 7, big // 2 + 3], [ql, ql], cfg=cfg, S=2))
+                except Exception as e:  # noqa: BLE001  (e.g. a config that does not compile)
+                    c = {"ok": False, "error": repr(e)[:500], "config": cfg}
                 row = {"check": c}
                 if c["ok"]:
-                    row.update(measure(caches, ceil, d, Bs, Ls, ql, cfg=cfg))
-                    print(fmt_row(row), flush=True)
+                    row.update(try_measure(caches, ceil, d, Bs, Ls, ql, cfg=cfg))
+                    if "time_us" in row:
+                        print(fmt_row(row), flush=True)
                 else:
                     print("sweep candidate FAILED check", c, flush=True)
                 RESULT["sweep"].append(row)
@@ -331,17 +354,19 @@ def main() -> None:
             if over_budget():
                 RESULT["skipped"].append(["splits", d, S])
                 continue
-            RESULT["splits"].append(measure(caches, ceil, d, BATCHES[0], CONTEXTS[-1], 1, S=S))
-            print(fmt_row(RESULT["splits"][-1]), flush=True)
+            RESULT["splits"].append(try_measure(caches, ceil, d, BATCHES[0], CONTEXTS[-1], 1, S=S))
+            if "time_us" in RESULT["splits"][-1]:
+                print(fmt_row(RESULT["splits"][-1]), flush=True)
     for kw in (dict(dtype="bf16", heads=128 if CUDA else 4, ql=1), dict(dtype="fp8", heads=128 if CUDA else 4, ql=1),
                dict(dtype="bf16", heads=H, ql=1, bs=64 if CUDA else 8)):
         if over_budget():
             RESULT["skipped"].append(["extra", kw])
             continue
-        r = measure(caches, ceil, kw["dtype"], BATCHES[1], CONTEXTS[1], kw["ql"], heads=kw["heads"],
-                    bs=kw.get("bs", BS))
+        r = try_measure(caches, ceil, kw["dtype"], BATCHES[1], CONTEXTS[1], kw["ql"], heads=kw["heads"],
+                        bs=kw.get("bs", BS))
         RESULT["extra"].append(r)
-        print(fmt_row(r), flush=True)
+        if "time_us" in r:
+            print(fmt_row(r), flush=True)
     if CUDA:
         c = finish_check(check(caches, "bf16", [big, 5], [1, 2], heads=128))
         RESULT["checks"].append(c)

@@ -293,6 +293,27 @@ def write_md() -> str:
     return md
 
 
+def summary() -> str:
+    """A few lines for the end of the log: bandwidth fraction per batch at the longest context, the
+    roofline fraction for q_len > 1, the fastest sweep config, the checks."""
+    out = [f"SUMMARY mla_decode ({RESULT.get('device')}, copy {RESULT['ceilings']['copy_bw'] / 1e12:.2f} TB/s, "
+           f"gemm {RESULT['ceilings']['gemm_rate'] / 1e12:.0f} TFLOP/s)"]
+    rows = [r for r in RESULT["rows"] if "time_us" in r]
+    for d in ("bf16", "fp8"):
+        for ql in QLENS:
+            sel = sorted((r for r in rows if r["dtype"] == d and r["q_len"] == ql), key=lambda r: (r["ctx"], r["B"]))
+            if sel:
+                out.append(f"{d} q_len {ql}: " + ", ".join(
+                    f"B{r['B']}/{r['ctx'] // 1024}K {r['bw_frac']:.2f}bw {r['roofline_frac']:.2f}rf" for r in sel))
+            sw = [r for r in RESULT["sweep"] if "time_us" in r and r["dtype"] == d and r["q_len"] == ql]
+            if sw:
+                best = min(sw, key=lambda r: r["time_us"])
+                out.append(f"  sweep best {best['config']} {best['time_us']:.1f} us vs default {sw[0]['time_us']:.1f} us")
+    out.append(f"checks ok: {sum(bool(c['ok']) for c in RESULT['checks'])}/{len(RESULT['checks'])}; "
+               f"total {RESULT.get('total_s', 0):.0f} s")
+    return "\n".join(out)
+
+
 def main() -> None:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
@@ -373,6 +394,7 @@ def main() -> None:
     RESULT["total_s"] = time.perf_counter() - T0
     save()
     print(write_md())
+    print(summary())
     bad = [c for c in RESULT["checks"] if not c["ok"]]
     if bad:
         print("FAILED checks:", bad)

@@ -198,8 +198,12 @@ class MLAAttention(nn.Module):
             self.g_proj = nn.Linear(H, self.nh * self.dv, bias=False)
         self.o_proj = nn.Linear(self.nh * self.dv, H, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        """x: [B, T, H] (already input_layernorm-ed); cos/sin: [T, dr] fp32. Returns [B, T, H]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                cache: Any = None) -> torch.Tensor:
+        """x: [B, T, H] (already input_layernorm-ed); cos/sin: [T, dr] fp32 at the rows' positions.
+        ``cache``: None (causal over the T rows), or a per-layer KV cache with
+        ``attend(q, k, v, scale) -> o`` ([B, Nh, T, d] each) that appends k/v after the cached rows and
+        attends over all of them (``longflash.training.kv_cache``). Returns [B, T, H]."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.nh, self.dn + self.dr)
         q_nope, q_pe = q[..., : self.dn], q[..., self.dn :]
@@ -218,9 +222,12 @@ class MLAAttention(nn.Module):
         # sliced off) and lets every SDPA backend (incl. flash) take the call.
         if self.dv < dqk:
             v = F.pad(v, (0, dqk - self.dv))
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
-        )  # [B, Nh, T, dqk]
+        if cache is None:
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
+            )  # [B, Nh, T, dqk]
+        else:
+            o = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)
         o = o.transpose(1, 2)[..., : self.dv].reshape(B, T, self.nh * self.dv)
         if self.use_gate:
             o = o * torch.sigmoid(self.g_proj(x))
@@ -445,15 +452,21 @@ class KimiK3TrainModel(nn.Module):
                 m.e_score_correction_bias.zero_()
 
     # ------------------------------------------------------------------ forward
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Final hidden states after model.norm: [B, T, H] (activation dtype)."""
+    def hidden_states(self, input_ids: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        """Final hidden states after model.norm: [B, T, H] (activation dtype).
+
+        With a ``cache`` (``longflash.training.kv_cache.KVCache``) the rows sit at positions
+        ``cache.length .. cache.length + T - 1``, attend to the cached rows too, and are appended to
+        the cache (incremental decoding); without one they sit at 0..T-1."""
         B, T = input_ids.shape
         cfg = self.config
         h = self.model.embed_tokens(input_ids)
+        start = 0 if cache is None else cache.length
         cos = sin = None
         if not cfg.get("mla_use_nope", False):
             cos, sin = rope_cos_sin(
-                torch.arange(T, device=input_ids.device), cfg["qk_rope_head_dim"], float(cfg.get("rope_theta", 10000.0))
+                torch.arange(start, start + T, device=input_ids.device), cfg["qk_rope_head_dim"],
+                float(cfg.get("rope_theta", 10000.0))
             )
         bank: list[torch.Tensor] = []  # committed block sums; slot 0 = embedding
         prefix = h  # running sum inside the current block; starts as the embedding
@@ -468,7 +481,7 @@ class KimiK3TrainModel(nn.Module):
             if wr:
                 bank.append(prefix)
             # 3. attention on the normed mixture
-            a = layer.self_attn(layer.input_layernorm(x), cos, sin)
+            a = layer.self_attn(layer.input_layernorm(x), cos, sin, None if cache is None else cache.layer(l))
             # 4.
             prefix = a if wr else prefix + a
             # 5. mixture for the MLP sublayer
@@ -479,6 +492,8 @@ class KimiK3TrainModel(nn.Module):
         assert len(bank) == self.nb
         y = attn_res_mix(bank + [prefix], self.model.output_attn_res_norm.weight,
                          self.model.output_attn_res_proj.weight, self.eps)
+        if cache is not None:
+            cache.advance(T)
         return self.model.norm(y)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -110,11 +110,15 @@ class DFlashProposer:
         The context of a request is its draft-pool rows for positions < s. Returns per request
         ``num_drafts`` argmax tokens (slots 1..num_drafts of the block).
         """
+        # Always the whole block [pending, MASK × (B − 1)] (the drafter was trained on full blocks; its
+        # attention inside the block is non-causal, so a shorter block changes every slot), even when
+        # fewer drafts are verified near max_tokens; only slots 1..num_drafts are returned.
+        B = self.block_size
         tokens, positions, starts, ctx_lens = [], [], [0], []
         for pending, s, n, _ in requests:
-            tokens += [pending] + [self.mask_token_id] * n
-            positions += list(range(s, s + n + 1))
-            starts.append(starts[-1] + n + 1)
+            tokens += [pending] + [self.mask_token_id] * (B - 1)
+            positions += list(range(s, s + B))
+            starts.append(starts[-1] + B)
             ctx_lens.append(s)
         max_blocks = max(len(r[3]) for r in requests)
         table = torch.full((len(requests), max_blocks), -1, dtype=torch.int32)
@@ -125,7 +129,7 @@ class DFlashProposer:
         embeds = self.drafter.embed_block(self.target.model.embed_tokens, ids).to(self.drafter.fc.weight.dtype)
         hidden = self.drafter(embeds, torch.tensor(positions, dtype=torch.int64, device=dev), starts, ctx_lens,
                               table.to(dev))
-        rows = [i for b in range(len(requests)) for i in range(starts[b] + 1, starts[b + 1])]
+        rows = [starts[b] + 1 + j for b, r in enumerate(requests) for j in range(r[2])]
         logits = self.target.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(
             self.target.lm_head.weight.dtype))
         best = torch.argmax(logits, dim=-1).tolist()

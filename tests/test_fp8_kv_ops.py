@@ -257,6 +257,39 @@ for bs in (16, 64):
                     res[key] = bool(torch.allclose(r.float(), k.float(), rtol=2.0 ** -7, atol=0))
             z = tk.gather_and_maybe_dequant_cache(a, table, torch.zeros(4, dtype=torch.int32), None, torch.float32, s)
             res[f"gather_empty_{cdt}_{s}_{bs}"] = z.shape == (0, R + P)
+# whole-row tiles: W = 56 (a 32- and a masked 32-wide tile), several rows per program, -1 slots, the
+# benchmark's knobs (rows per program, eviction policy), NaN inputs (stored as an E4M3 NaN)
+R2, P2, bs = 40, 16, 16
+x2 = torch.randn(40, R2 + P2, generator=g) * torch.logspace(-3, 3, 40)[:, None]
+x2[3, :4] = torch.tensor([float("nan"), -float("nan"), float("inf"), -0.0])
+slots = torch.randperm(6 * bs, generator=g)[:40]
+slots[[0, 33, 39]] = -1
+nan_rows = torch.zeros(40, R2 + P2, dtype=torch.bool)
+nan_rows[3, :2] = True
+for cdt, s in ((FP8, 0.1), (FP8, 0.5), (FP8, None), (torch.float32, None)):
+    a = torch.zeros(6, bs, R2 + P2, dtype=cdt)
+    ops.concat_and_cache_mla(x2[:, :R2], x2[:, R2:], a, slots, s)
+    for kw in ({}, {"block_t": 2, "num_warps": 2, "evict": "evict_first"}, {"block_t": 64}):
+        b = a.clone()
+        b.view(torch.uint8).view(a.shape[0] * bs, -1)[slots[slots >= 0]] = 0x5A  # poison the rows to write
+        tk.concat_and_cache_mla(x2[:, :R2], x2[:, R2:], b, slots, s, **kw)
+        ab, bb = a.view(torch.uint8), b.view(torch.uint8)
+        key = f"write_w56_{cdt}_{s}_{kw}"
+        if cdt == FP8:  # NaN inputs: any E4M3 NaN; every other byte equal
+            nan_pos = torch.zeros(6 * bs, R2 + P2, dtype=torch.bool)
+            nan_pos[slots[3]] = nan_rows[3]
+            nan_pos = nan_pos.view(ab.shape)
+            res[key] = bool(torch.equal(ab[~nan_pos], bb[~nan_pos]) and ((bb[nan_pos] & 0x7F) == 0x7F).all())
+        else:
+            res[key] = bool(torch.equal(ab, bb))
+        table = torch.randperm(6, generator=g).to(torch.int32).view(1, -1).repeat(2, 1)
+        cu = torch.tensor([0, 27, 40], dtype=torch.int32)
+        starts = torch.tensor([2, 31], dtype=torch.int32)
+        r = ops.gather_and_maybe_dequant_cache(a, table, cu, starts, torch.float32, s)
+        k = tk.gather_and_maybe_dequant_cache(a, table, cu, starts, torch.float32, s, **kw)
+        same_nan = torch.equal(r.isnan(), k.isnan())
+        fin = ~r.isnan()
+        res[f"gather_w56_{cdt}_{s}_{kw}"] = bool(same_nan and torch.equal(r[fin].view(torch.int32), k[fin].view(torch.int32)))
 # merge: edge cases and strided inputs
 inf = float("inf")
 T, H, D = 7, 3, 20
@@ -296,6 +329,80 @@ def kernel_results():
 
 
 def test_triton_kernels_equal_reference(kernel_results):
-    assert len(kernel_results) > 40
+    assert len(kernel_results) > 60
     bad = [k for k, v in kernel_results.items() if not v]
     assert not bad, bad
+
+
+# ---------------------------------------------------------------------------- GPU: hardware paths
+
+_GPU_SCALES = [None, 1.0, 0.5, 2.0 ** -20, 0.05, 3.7, 1 / 200, 0.0123, 1.3 * 2.0 ** -59, 1.1 * 2.0 ** 61, 1e-30]
+
+
+def _every_bf16_row_tile(device):
+    """All 65536 bf16 bit patterns as rows of 576 (zero padded): [114, 576], and its NaN mask."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.cat([x, torch.zeros(114 * 576 - x.numel(), dtype=torch.bfloat16)]).view(114, 576)
+    return x.to(device), x.isnan().to(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp8_write_of_every_bf16_value_equals_reference():
+    """Hardware fp8 write (multiply / FMA-corrected reciprocal / IEEE division, satfinite cast): every
+    bf16 bit pattern under many k_scales gives the reference's bytes (NaN inputs: an E4M3 NaN)."""
+    from longflash.attention import triton_ops as tk
+    x, nan = _every_bf16_row_tile("cuda")
+    slots = torch.arange(114, device="cuda")
+    g = torch.Generator().manual_seed(11)
+    scales = _GPU_SCALES + (2.0 ** (torch.rand(24, generator=g) * 40 - 20)).tolist()
+    bad = []
+    for s in scales:
+        ref = torch.zeros(2, 64, 576, dtype=FP8, device="cuda")
+        ops.concat_and_cache_mla(x[:, :512], x[:, 512:], ref, slots, s)
+        ref = ref.view(torch.uint8).view(128, 576)[:114]
+        modes = [None] + ([2, 3] if s is not None and 2.0 ** -60 <= s <= 2.0 ** 60 else [])
+        for mode in modes:
+            got = torch.zeros(2, 64, 576, dtype=FP8, device="cuda")
+            tk.concat_and_cache_mla(x[:, :512], x[:, 512:], got, slots, s, scale_mode=mode)
+            got = got.view(torch.uint8).view(128, 576)[:114]
+            if not (torch.equal(ref[~nan], got[~nan]) and bool(((got[nan] & 0x7F) == 0x7F).all())):
+                bad.append((s, mode, int((ref[~nan] != got[~nan]).sum())))
+    assert not bad, bad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cfg", [{}, {"block_t": 4, "num_warps": 4}, {"block_t": 32, "num_warps": 8, "evict": "evict_first"}])
+def test_gpu_kernels_equal_reference_at_mla_shapes(cfg):
+    """64K rows x 576 (DeepSeek/Kimi latent rows), block 64: write (bf16 and fp8 caches, -1 slots) and
+    gather + dequant (unaligned starts, bf16 and fp32 workspaces), every E4M3 byte dequantized."""
+    from longflash.attention import triton_ops as tk
+    T, bs = 65536, 64
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kv_c = (torch.randn(T, 512, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    k_pe = (torch.randn(T, 64, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    nblk = T // bs + 8
+    slots = torch.randperm(nblk * bs, generator=g, device="cuda")[:T]
+    slots[::1000] = -1
+    table = torch.stack([torch.randperm(nblk, generator=g, device="cuda") for _ in range(4)]).to(torch.int32)
+    cu = torch.tensor([0, 20000, 20000, 50001, 60000], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([3, 0, 17, 1000], dtype=torch.int32, device="cuda")
+    for dt, s in ((torch.bfloat16, None), (FP8, 0.05), (FP8, 1.0), (FP8, None)):
+        ref = torch.zeros(nblk, bs, 576, dtype=dt, device="cuda")
+        got = ref.clone()
+        got.view(torch.uint8).view(nblk * bs, -1)[slots[slots >= 0]] = 0x5A  # poison the rows to write
+        ops.concat_and_cache_mla(kv_c, k_pe, ref, slots, s)
+        tk.concat_and_cache_mla(kv_c, k_pe, got, slots, s, **cfg)
+        assert torch.equal(ref.view(torch.uint8), got.view(torch.uint8)), (dt, s)
+        for out_dt in (torch.bfloat16, torch.float32):
+            r = ops.gather_and_maybe_dequant_cache(ref, table, cu, starts, out_dt, s)
+            k = tk.gather_and_maybe_dequant_cache(ref, table, cu, starts, out_dt, s, **cfg)
+            assert torch.equal(r.view(torch.uint8), k.view(torch.uint8)), (dt, s, out_dt)
+    # every E4M3 byte (NaNs, -0, subnormals) under several scales
+    cache = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(64 * 576 // 256).view(1, 64, 576).view(FP8)
+    one = torch.tensor([[0]], dtype=torch.int32, device="cuda")
+    cu1 = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    for s in (None, 1.0, 0.05, 3.7, 2.0 ** -100):
+        for out_dt in (torch.bfloat16, torch.float32):
+            r = ops.gather_and_maybe_dequant_cache(cache, one, cu1, None, out_dt, s).float()
+            k = tk.gather_and_maybe_dequant_cache(cache, one, cu1, None, out_dt, s, **cfg).float()
+            assert torch.equal(r.isnan(), k.isnan()) and torch.equal(r[~r.isnan()].view(torch.int32), k[~k.isnan()].view(torch.int32))

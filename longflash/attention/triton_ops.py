@@ -1,15 +1,25 @@
 """Triton kernels for the paged-cache ops, same signatures as the references in ``ops.py``.
 
-- ``concat_and_cache_mla``: one program per (token tile, column tile) writes ``[kv_c | k_pe]`` rows
-  at ``slot_mapping`` (−1 skipped); an fp8 cache stores ``sat(x / k_scale)``.
-- ``gather_and_maybe_dequant_cache``: one program per (output-row tile, column tile) reads the row of
+- ``concat_and_cache_mla``: one program per tile of ``BLOCK_T`` tokens writes their whole
+  ``[kv_c | k_pe]`` rows at ``slot_mapping`` (−1 skipped); an fp8 cache stores ``sat(x / k_scale)``.
+- ``gather_and_maybe_dequant_cache``: one program per tile of ``BLOCK_T`` output rows reads each row of
   request ``token_to_seq[t]`` at its position through the block table and dequantizes (``fp8 · k_scale``).
 - ``merge_attn_states``: one program per (token, head) merges two partial results by LSE.
 
-fp8 E4M3: on the GPU the hardware conversions (``cvt.rn.satfinite`` after clamping to ±448; the exact
-upcast). In the CPU interpreter, whose emulated fp8 cast rounds wrongly (``shared/specs/mxfp8.md``,
-Testing caveat), integer operations on the fp32 bits (round to nearest even) do the same job exactly,
-so on both the kernels are byte-equal to ``torch.float8_e4m3fn`` conversion.
+Both cache kernels are memory-bound: whole 576-wide rows per program (a 512- and a 64-wide tile, no
+masked lanes), 16-byte accesses, the row metadata (slot; request, position, block) read once per row.
+Tiles come from ``KV_CONFIGS`` (measured on an H200 by ``benchmarks/kv_cache_ops.py``; bytes models
+and timings in ``benchmarks/NOTES.md``).
+
+fp8 E4M3: on the GPU the hardware conversions (``cvt.rn.satfinite``, which also saturates to ±448; the
+exact upcast). ``x / k_scale`` must be the correctly rounded fp32 quotient, as in the reference; instead
+of ``div.rn`` per element (an SFU reciprocal, a range check and a branch: it made the fp8 write
+compute-bound) the GPU path multiplies by ``RN(1 / k_scale)`` and corrects the quotient with two FMAs
+(exact, see ``_quantize_e4m3``), or just multiplies when ``k_scale`` is a power of two (1.0 by default).
+In the CPU interpreter, whose emulated fp8 cast rounds wrongly and whose FMA is not fused
+(``shared/specs/mxfp8.md``, Testing caveat), integer operations on the fp32 bits (round to nearest
+even) and IEEE division do the same job exactly, so on both the kernels are byte-equal to the
+reference (``torch.float8_e4m3fn`` conversion) for every non-NaN input.
 
 Unlike the references, the kernels do not check block-table bounds (that would need a host sync).
 This module imports Triton; the engine imports it only for a CUDA cache (``mla.cache_ops``), so
@@ -19,13 +29,15 @@ the first import of triton.
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from longflash.attention.ops import FP8_DTYPE, FP8_MAX
+from longflash.attention.ops import FP8_DTYPE
 
 
 @triton.jit
@@ -66,54 +78,74 @@ def _from_e4m3_bits(b):
     return tl.where(nan, float("nan"), val)
 
 @triton.jit
-def _write_kernel(kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, T, stride_kvc, stride_kpe,
-                  R: tl.constexpr, P: tl.constexpr, FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  FP8_MAX_C: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
-    rmask = (t < T) & (slot >= 0)
-    W: tl.constexpr = R + P
-    in_c = d < R
-    in_p = (d >= R) & (d < W)
-    t64 = t.to(tl.int64)
-    xc = tl.load(kvc_ptr + t64[:, None] * stride_kvc + d[None, :], mask=rmask[:, None] & in_c[None, :], other=0.0)
-    xp = tl.load(kpe_ptr + t64[:, None] * stride_kpe + (d - R)[None, :], mask=rmask[:, None] & in_p[None, :],
-                 other=0.0)
-    x = tl.where(in_c[None, :], xc.to(tl.float32), xp.to(tl.float32))
-    dst = cache_ptr + slot[:, None] * W + d[None, :]
-    wmask = rmask[:, None] & (d < W)[None, :]
-    if FP8:
-        if HAS_SCALE:
-            x = tl.math.div_rn(x, scale)
-        x = tl.minimum(tl.maximum(x, -FP8_MAX_C), FP8_MAX_C)
-        if HW_FP8:  # cvt.rn.satfinite (RNE), byte-equal to torch's conversion
-            tl.store(dst, x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=wmask)
-        else:
-            tl.store(dst, _to_e4m3_bits(x).to(tl.uint8), mask=wmask)
+def _quantize_e4m3(x, scale, nscale, rcp, SCALE_MODE: tl.constexpr, HW_FP8: tl.constexpr):
+    """fp32 -> E4M3 byte (uint8) of ``sat(x / k_scale)``: the byte torch's conversion gives for the
+    correctly rounded fp32 quotient (a NaN gives an E4M3 NaN, its sign unspecified).
+
+    SCALE_MODE 0: no scale; 1: k_scale a power of two, so ``x * (1 / k_scale)`` is the exact quotient;
+    2: IEEE division (``div.rn.f32``: per element a reciprocal on the SFU, a range check and a slow-path
+    branch); 3: the correctly rounded quotient from ``rcp = RN(1 / k_scale)`` (computed on the host)
+    and two FMA residual corrections (Markstein; the first gives a faithful quotient, the second rounds
+    it correctly). Mode 3 needs a fused FMA, so the interpreter uses mode 2 instead; the wrapper picks
+    it only for 2^-60 <= k_scale <= 2^60, where no step overflows or loses the residual to underflow
+    unless the quotient is far below the smallest E4M3 subnormal (then it rounds to ±0 either way)."""
+    if SCALE_MODE == 1:
+        q = x * rcp
+    elif SCALE_MODE == 2:
+        q = tl.math.div_rn(x, scale)
+    elif SCALE_MODE == 3:
+        y = x * rcp
+        y1 = tl.math.fma(tl.math.fma(y, nscale, x), rcp, y)
+        q = tl.math.fma(tl.math.fma(y1, nscale, x), rcp, y1)
+        # |x / k_scale| >> 448 saturates anyway; the select also keeps inf - inf out of the result
+        q = tl.where(tl.abs(y) > 1048576.0, y, q)
+        # -0.0 / k_scale is -0.0, but the corrections add +0.0 to it: copy the sign bit of x
+        qb = (q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | ((x.to(tl.int32, bitcast=True) >> 31) << 31)
+        q = qb.to(tl.float32, bitcast=True)
     else:
-        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=wmask)
+        q = x
+    if HW_FP8:  # cvt.rn.satfinite: RNE, beyond ±448 (and ±inf) -> ±448, NaN -> NaN
+        return q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)  # NaN passes through NumPy's min/max
+    return _to_e4m3_bits(q).to(tl.uint8)
+
 
 @triton.jit
-def _gather_kernel(cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total, stride_bt,
-                   block_size, W: tl.constexpr, FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   HAS_STARTS: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    tmask = t < total
-    b = tl.load(t2s_ptr + t, mask=tmask, other=0)
-    pos = t - tl.load(cu_ptr + b, mask=tmask, other=0)
-    if HAS_STARTS:
-        pos += tl.load(starts_ptr + b, mask=tmask, other=0)
-    blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + pos // block_size, mask=tmask, other=0).to(tl.int64)
-    src = cache_ptr + (blk * block_size + pos % block_size)[:, None] * W + d[None, :]
-    m = tmask[:, None] & (d < W)[None, :]
-    raw = tl.load(src, mask=m, other=0)
+def _to_cache(x, scale, nscale, rcp, cache_ty: tl.constexpr, FP8: tl.constexpr, SCALE_MODE: tl.constexpr,
+              HW_FP8: tl.constexpr):
+    if FP8:
+        return _quantize_e4m3(x.to(tl.float32), scale, nscale, rcp, SCALE_MODE, HW_FP8)
+    return x.to(cache_ty)
+
+
+@triton.jit
+def _write_kernel(kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, stride_kvc, stride_kpe,
+                  R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                  FP8: tl.constexpr, SCALE_MODE: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr,
+                  EVICT: tl.constexpr):
+    """BLOCK_T whole rows per program: the ``kv_c`` part as a [BLOCK_T, BLOCK_R] tile and the ``k_pe``
+    part as a [BLOCK_T, BLOCK_P] tile (576 = 512 + 64: no masked lanes), both loaded before either
+    is stored."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
+    rows = (t < T) & (slot >= 0)
+    t64 = t.to(tl.int64)
+    dst = cache_ptr + slot * (R + P)
+    cr = tl.arange(0, BLOCK_R)
+    cp = tl.arange(0, BLOCK_P)
+    mr = rows[:, None] & (cr < R)[None, :]
+    mp = rows[:, None] & (cp < P)[None, :]
+    xr = tl.load(kvc_ptr + t64[:, None] * stride_kvc + cr[None, :], mask=mr, other=0.0, eviction_policy=EVICT)
+    xp = tl.load(kpe_ptr + t64[:, None] * stride_kpe + cp[None, :], mask=mp, other=0.0, eviction_policy=EVICT)
+    cty = cache_ptr.dtype.element_ty
+    tl.store(dst[:, None] + cr[None, :], _to_cache(xr, scale, nscale, rcp, cty, FP8, SCALE_MODE, HW_FP8), mask=mr)
+    tl.store(dst[:, None] + R + cp[None, :], _to_cache(xp, scale, nscale, rcp, cty, FP8, SCALE_MODE, HW_FP8),
+             mask=mp)
+
+
+@triton.jit
+def _from_cache(raw, scale, out_ty: tl.constexpr, FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
+                HW_FP8: tl.constexpr):
     if FP8:
         if HW_FP8:  # the upcast is exact in hardware
             x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -121,9 +153,44 @@ def _gather_kernel(cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scal
             x = _from_e4m3_bits(raw.to(tl.int32))
         if HAS_SCALE:
             x = x * scale
+        return x.to(out_ty)
+    return raw.to(out_ty)
+
+
+@triton.jit
+def _gather_kernel(cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total, stride_bt,
+                   block_size, W: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, FP8: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, HAS_STARTS: tl.constexpr, HW_FP8: tl.constexpr,
+                   BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """BLOCK_T whole output rows per program, each row as a C1-wide and (if W > C1) a C2-wide tile
+    (C1 the largest power of two <= W: 576 = 512 + 64); the row's request, position and block are
+    looked up once per row."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < total
+    b = tl.load(t2s_ptr + t, mask=tm, other=0)
+    pos = t - tl.load(cu_ptr + b, mask=tm, other=0)
+    if HAS_STARTS:
+        pos += tl.load(starts_ptr + b, mask=tm, other=0)
+    blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + pos // block_size, mask=tm, other=0).to(tl.int64)
+    src = cache_ptr + (blk * block_size + pos % block_size) * W
+    dst = out_ptr + t.to(tl.int64) * W
+    oty = out_ptr.dtype.element_ty
+    c1 = tl.arange(0, C1)
+    if FP8:  # NOTE: 8-byte loads put the bytes in the layout of the 16-byte bf16 stores (no shared memory)
+        c1 = tl.max_contiguous(c1, 8)
+    m1 = tm[:, None] & (c1 < W)[None, :]
+    r1 = tl.load(src[:, None] + c1[None, :], mask=m1, other=0, eviction_policy=EVICT)
+    if C2 > 0:
+        c2 = C1 + tl.arange(0, C2)
+        if FP8:
+            c2 = tl.max_contiguous(c2, 8)
+        m2 = tm[:, None] & (c2 < W)[None, :]
+        r2 = tl.load(src[:, None] + c2[None, :], mask=m2, other=0, eviction_policy=EVICT)
+        tl.store(dst[:, None] + c1[None, :], _from_cache(r1, scale, oty, FP8, HAS_SCALE, HW_FP8), mask=m1)
+        tl.store(dst[:, None] + c2[None, :], _from_cache(r2, scale, oty, FP8, HAS_SCALE, HW_FP8), mask=m2)
     else:
-        x = raw.to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * W + d[None, :], x.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst[:, None] + c1[None, :], _from_cache(r1, scale, oty, FP8, HAS_SCALE, HW_FP8), mask=m1)
+
 
 @triton.jit
 def _merge_kernel(po_ptr, plse_ptr, so_ptr, slse_ptr, out_ptr, olse_ptr, H, D,
@@ -159,11 +226,22 @@ def _kernels():
     return triton, _write_kernel, _gather_kernel, _merge_kernel
 
 
-def _block_d(width: int) -> int:
-    """Columns per program: a power of two dividing the row (576 -> 64, no masked lanes), else the
-    whole row padded to a power of two."""
-    p = width & -width
-    return min(p, 128) if p >= 32 else triton.next_power_of_2(width)
+# Tiles, (rows per program, num_warps, eviction policy of the streaming loads), per op and cache
+# element size. Whole rows per program; chosen from the candidates that benchmarks/kv_cache_ops.py
+# times on the H200 (benchmarks/NOTES.md has the numbers).
+KV_CONFIGS: dict[tuple[str, int], tuple[int, int, str]] = {
+    ("write", 2): (16, 4, ""),
+    ("write", 1): (16, 4, ""),
+    ("gather", 2): (16, 4, ""),
+    ("gather", 1): (16, 4, ""),
+}
+
+
+def kv_config(op: str, cache_dtype: torch.dtype) -> tuple[int, int, str]:
+    """(block_t, num_warps, evict) of ``KV_CONFIGS`` for ``op`` in {"write", "gather"}; caches of other
+    element sizes (fp32) take the bf16 row."""
+    esz = torch.empty((), dtype=cache_dtype).element_size()
+    return KV_CONFIGS.get((op, esz), KV_CONFIGS[(op, 2)])
 
 
 def _hw_fp8(t: torch.Tensor) -> bool:
@@ -172,17 +250,41 @@ def _hw_fp8(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def _scale_arg(k_scale) -> tuple[float, bool]:
+def _f32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def _write_scale(k_scale, hw: bool) -> tuple[int, float, float, float]:
+    """(SCALE_MODE, scale, -scale, RN(1 / scale)) of ``_quantize_e4m3`` for a k_scale (fp32, as the
+    reference divides by it). ``1.0 / s`` in float64 rounded to fp32 is RN32(1 / s): the exact
+    reciprocal lies at least 2^-49 (relative) from every fp32 midpoint, so the double rounding is safe."""
     if k_scale is None:
-        return 1.0, False
-    return float(k_scale), True
+        return 0, 1.0, -1.0, 1.0
+    s = _f32(float(k_scale))
+    if not (s > 0.0 and math.isfinite(s)):
+        return 2, s, -s, 1.0
+    rcp = _f32(1.0 / s)
+    mant, exp = math.frexp(s)
+    if mant == 0.5 and -125 <= exp <= 127:  # a power of two in the normal range: 1 / s is exact
+        return 1, s, -s, rcp
+    if hw and 2.0 ** -60 <= s <= 2.0 ** 60:
+        return 3, s, -s, rcp
+    return 2, s, -s, rcp
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
-                         *, block_t: int | None = None, num_warps: int = 4) -> None:
-    """Triton version of :func:`longflash.attention.ops.concat_and_cache_mla` (same semantics).
-    ``block_t`` (rows per program) and ``num_warps`` are tuning knobs (benchmarks sweep them)."""
+                         *, block_t: int | None = None, num_warps: int | None = None,
+                         evict: str | None = None, scale_mode: int | None = None) -> None:
+    """Triton version of :func:`longflash.attention.ops.concat_and_cache_mla` (same semantics and, for
+    every non-NaN input, the same cache bytes; a NaN is stored as an E4M3 NaN of either sign).
+
+    ``block_t`` (rows per program, a power of two), ``num_warps`` and ``evict`` (eviction policy of
+    the input loads: "" or "evict_first") override ``kv_config("write", dtype)``; benchmarks sweep them.
+    ``scale_mode`` (benchmarks and tests) forces the division of an fp8 write with a k_scale: 2 = IEEE
+    division, 3 = FMA-corrected reciprocal (GPU only, 2^-60 <= k_scale <= 2^60); see ``_quantize_e4m3``.
+    Raises ValueError if the cache is not contiguous with rows of width ``R + P``, or for a
+    ``scale_mode`` that cannot apply."""
     triton, write, _, _ = _kernels()
     T = kv_c.shape[0]
     if T == 0:
@@ -194,13 +296,26 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         kv_c, k_pe = kv_c.contiguous(), k_pe.contiguous()
     fp8 = kv_cache.dtype == FP8_DTYPE
     dst = kv_cache.view(torch.uint8) if fp8 else kv_cache
-    scale, has_scale = _scale_arg(k_scale)
-    BLOCK_D = _block_d(R + P)
-    BLOCK_T = block_t or max(1, 4096 // BLOCK_D)
-    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(R + P, BLOCK_D))
-    write[grid](kv_c, k_pe, dst, slot_mapping, scale, T, kv_c.stride(0), k_pe.stride(0), R=R, P=P, FP8=fp8,
-                HAS_SCALE=has_scale, FP8_MAX_C=FP8_MAX, HW_FP8=_hw_fp8(kv_cache), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-                num_warps=num_warps)
+    hw = _hw_fp8(kv_cache)
+    mode, scale, nscale, rcp = _write_scale(k_scale, hw) if fp8 else (0, 1.0, -1.0, 1.0)
+    if scale_mode is not None:
+        ok = fp8 and k_scale is not None and (scale_mode == 2 or (scale_mode == 3 and hw and mode in (1, 3)))
+        if not ok:
+            raise ValueError(f"scale_mode={scale_mode} does not apply (fp8={fp8}, k_scale={k_scale}, gpu={hw})")
+        mode = scale_mode
+    cfg = kv_config("write", kv_cache.dtype)
+    block_t = block_t or cfg[0]
+    grid = (triton.cdiv(T, block_t),)
+    write[grid](kv_c, k_pe, dst, slot_mapping, scale, nscale, rcp, T, kv_c.stride(0), k_pe.stride(0), R=R, P=P,
+                BLOCK_R=triton.next_power_of_2(R), BLOCK_P=triton.next_power_of_2(P), FP8=fp8, SCALE_MODE=mode,
+                HW_FP8=hw, BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict,
+                num_warps=num_warps or cfg[1])
+
+
+def _row_tiles(width: int) -> tuple[int, int]:
+    """(C1, C2): C1 the largest power of two <= width, C2 a power of two covering the rest (0 if none)."""
+    c1 = 1 << (width.bit_length() - 1)
+    return c1, (triton.next_power_of_2(width - c1) if width > c1 else 0)
 
 
 def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
@@ -208,11 +323,12 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
                                    k_scale: float | torch.Tensor | None = None,
                                    token_to_seq: torch.Tensor | None = None,
                                    total: int | None = None, *, block_t: int | None = None,
-                                   num_warps: int = 4) -> torch.Tensor:
+                                   num_warps: int | None = None, evict: str | None = None) -> torch.Tensor:
     """Triton version of :func:`longflash.attention.ops.gather_and_maybe_dequant_cache`.
 
     ``total`` (rows, = cu_seq_lens[-1]) may be given to avoid a device->host sync. Rows of
     ``cache`` beyond the block size are flattened (``[num_blocks, block_size, *row_shape]``).
+    ``block_t`` / ``num_warps`` / ``evict`` override ``kv_config("gather", dtype)`` (as in the write).
     """
     triton, _, gather, _ = _kernels()
     if total is None:
@@ -231,16 +347,18 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
                                                lens, output_size=total)
     fp8 = cache.dtype == FP8_DTYPE
     src = cache.view(torch.uint8) if fp8 else cache
-    scale, has_scale = _scale_arg(k_scale)
+    has_scale = k_scale is not None
+    scale = float(k_scale) if has_scale else 1.0
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     starts = seq_starts if seq_starts is not None else cu_seq_lens
-    BLOCK_D = _block_d(W)
-    BLOCK_T = block_t or max(1, 4096 // BLOCK_D)
-    grid = (triton.cdiv(total, BLOCK_T), triton.cdiv(W, BLOCK_D))
+    cfg = kv_config("gather", cache.dtype)
+    block_t = block_t or cfg[0]
+    c1, c2 = _row_tiles(W)
+    grid = (triton.cdiv(total, block_t),)
     gather[grid](src, bt, cu_seq_lens, starts, token_to_seq, out, scale, total, bt.stride(0), cache.shape[1],
-                 W=W, FP8=fp8, HAS_SCALE=has_scale, HAS_STARTS=seq_starts is not None, HW_FP8=_hw_fp8(cache),
-                 BLOCK_T=BLOCK_T,
-                 BLOCK_D=BLOCK_D, num_warps=num_warps)
+                 W=W, C1=c1, C2=c2, FP8=fp8, HAS_SCALE=has_scale, HAS_STARTS=seq_starts is not None,
+                 HW_FP8=_hw_fp8(cache), BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict,
+                 num_warps=num_warps or cfg[1])
     return out
 
 

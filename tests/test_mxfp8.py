@@ -355,5 +355,30 @@ def test_gpu_kernels_equal_reference_at_kimi_k3_shapes(m):
     assert torch.equal(ref.view(torch.int16), got.view(torch.int16))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_native_path_on_planted_blocks_and_every_bf16_amax():
+    """The GPU path's shortcuts: NaN-propagating max, NaN blocks by multiplying with NaN (0x7F from the
+    satfinite cast, also for -NaN and -inf), no clamp; and every positive finite bf16 as a block amax."""
+    from longflash.ops.mxfp8_triton import quantize_mxfp8_into_triton
+    x = torch.zeros(4, 12 * 32)
+    x[1, 32 + 3] = float("nan"); x[1, 64] = float("inf"); x[2, 96 + 7] = float("-inf"); x[3, 9] = -float("nan")
+    x[0, 128:131] = torch.tensor([2.0 ** -127, 2.0 ** -133, -(2.0 ** -130)])
+    x[1, 160] = 448.0 * 2 ** 10; x[2, 192] = 1.7578125; x[0, 224] = 1.7421875; x[1, 256] = 1.75
+    x[2, 288] = -0.0; x[0, 320] = float("nan"); x[0, 321] = 1e30; x[3, 352:384] = -3.0e38
+    bits = torch.arange(1, 0x7F80, dtype=torch.int32)
+    vals = (bits << 16).view(torch.float32)
+    amax = (torch.rand(vals.numel(), 32) * 2 - 1) * vals[:, None]
+    amax[:, 0] = vals
+    for t in (x.to(torch.bfloat16), x, amax.to(torch.bfloat16)):
+        t = t.cuda()
+        m, k = t.shape
+        d_ref = torch.zeros(m, k, dtype=torch.uint8, device="cuda")
+        s_ref = torch.zeros(m, k // 32, dtype=torch.uint8, device="cuda")
+        d_tri, s_tri = d_ref.clone(), s_ref.clone()
+        quantize_mxfp8_into(t, d_ref, s_ref, 0)
+        quantize_mxfp8_into_triton(t, d_tri, s_tri, 0, rounding="native")
+        assert torch.equal(d_ref, d_tri) and torch.equal(s_ref, s_tri), (t.dtype, (d_ref != d_tri).nonzero()[:5])
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--compile-sm90"]:
     print(json.dumps(_compile_sm90()))

@@ -14,7 +14,8 @@ import torch
 
 # (name, per-sequence lengths or None for one sequence of T, T, H, dk, dv, chunk_size, gate)
 #   gate: "k3" = Kimi-K3 (-5 * sigmoid), "linear" = Kimi-Linear (-exp(A_log) * softplus), "strong" = Kimi-Linear
-#   with exp(A_log) ~ 20 (a 16-token block decays by more than SAFE_LOG_DECAY)
+#   with exp(A_log) ~ 20 (a 16-token block decays by more than SAFE_LOG_DECAY), "repeat" = one key for every
+#   token, beta 0.99 and almost no decay (L ~ all ones below the diagonal: the hard case for the inverse)
 CASES = [
     ("one-seq", None, 37, 2, 16, 32, 16, "k3"),
     ("varlen", [5, 0, 35, 33], 73, 2, 32, 24, 16, "linear"),
@@ -22,6 +23,7 @@ CASES = [
     ("strong-32", None, 45, 1, 20, 16, 32, "strong"),
     ("chunk-64", None, 70, 1, 16, 16, 64, "k3"),
     ("empty", None, 0, 2, 16, 16, 16, "k3"),
+    ("repeat", None, 40, 1, 16, 16, 16, "repeat"),
 ]
 
 
@@ -37,9 +39,14 @@ def _inputs(T, H, dk, dv, gate, n_states, device="cpu", seed=0):
         g_ = kda_gate(f, torch.randn(H, generator=g), dt_bias, dk, -5.0)
     elif gate == "linear":
         g_ = kda_gate(f, torch.randn(H, generator=g) * 0.5 - 1.0, dt_bias, dk, None)
-    else:
+    elif gate == "strong":
         g_ = kda_gate(f + 2.0, torch.full((H,), 3.0), dt_bias, dk, None)
+    else:
+        g_ = kda_gate(f, torch.full((H,), -8.0), dt_bias, dk, None)
     beta = torch.rand(T, H, generator=g)
+    if gate == "repeat":
+        k = k[:1].expand_as(k).contiguous()
+        beta = torch.full((T, H), 0.99)
     S0 = torch.randn(*([n_states] if n_states else []), H, dk, dv, generator=g)
     return tuple(t.to(device) for t in (q, k, v, g_, beta, S0))
 

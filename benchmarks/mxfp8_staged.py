@@ -241,7 +241,8 @@ class Bench:
         table = quantize_config(m, w)
         out["table_config"] = list(table)
         # (block_m, groups, num_warps); None = the config table's choice (the default path)
-        configs = [None, (4, 32, 4), (8, 32, 4), (16, 32, 8), (32, 32, 8), (16, 32, 16), (8, 16, 4), (32, 16, 8)]
+        configs = [None, (2, 32, 2), (4, 32, 2), (4, 32, 4), (8, 32, 4), (16, 32, 8), (16, 32, 16), (8, 16, 4),
+                   (32, 16, 8)]
         if self.args.smoke:
             configs = configs[:2]
         rows = []
@@ -393,31 +394,47 @@ class Bench:
             del taps
         return y
 
-    def memory(self):
-        w = self.weight()
-        res = {"reference_staged_bytes": REF_STAGED_BYTES, "reference_concat_bytes": REF_CONCAT_BYTES,
-               "reference_ratio": REF_STAGED_BYTES / REF_CONCAT_BYTES, "weight_bytes": w.numel() * w.element_size()}
+    def _chunks(self):
+        """Row chunks the timing sweeps (and the memory section checks): the default, half and double."""
+        return sorted({self.row_chunk, min(self.m, 2 * self.row_chunk), max(1, self.row_chunk // 2)})
+
+    def _peaks(self, w, row_chunk) -> dict:
+        res = {}
         for name, staged in (("concat", False), ("staged", True)):
             if self.cuda:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                y = self._step(staged, w, self.row_chunk)
+                y = self._step(staged, w, row_chunk)
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated()
                 res[name] = {"peak_allocated_bytes": peak, "step_peak_bytes": peak - base, "baseline_bytes": base}
                 del y
             else:
                 with torch.no_grad(), LiveTensorBytes() as mem:
-                    y = self._step(staged, w, self.row_chunk)
+                    y = self._step(staged, w, row_chunk)
                     del y
                 res[name] = {"step_peak_bytes": mem.peak, "tracker": "LiveTensorBytes"}
         res["step_ratio"] = res["staged"]["step_peak_bytes"] / res["concat"]["step_peak_bytes"]
         if self.cuda:
             res["absolute_ratio"] = res["staged"]["peak_allocated_bytes"] / res["concat"]["peak_allocated_bytes"]
+        return res
+
+    def memory(self):
+        w = self.weight()
+        res = {"reference_staged_bytes": REF_STAGED_BYTES, "reference_concat_bytes": REF_CONCAT_BYTES,
+               "reference_ratio": REF_STAGED_BYTES / REF_CONCAT_BYTES, "weight_bytes": w.numel() * w.element_size()}
+        res.update(self._peaks(w, self.row_chunk))
         res["goal_step_ratio_le"] = 0.50
         res["scratch_bytes"] = self.row_chunk * self.k * 2
+        # the same check at every row chunk the timing section sweeps
+        res["by_row_chunk"] = {}
+        for rc in self._chunks():
+            p = self._peaks(w, rc)
+            res["by_row_chunk"][rc] = {"staged_step_peak_bytes": p["staged"]["step_peak_bytes"],
+                                       "concat_step_peak_bytes": p["concat"]["step_peak_bytes"],
+                                       "step_ratio": p["step_ratio"]}
         return res
 
     def timing(self):
@@ -432,7 +449,7 @@ class Bench:
         dc, sc, oc = mxfp8_buffers(self.m, self.widths, self.n, device=self.dev, out_dtype=self.dtype)
         res = {"projection_fn": f"project_mxfp8 + {self.dequantize_name}", "reps": self.reps,
                "method": "interleaved staged/concat, L2 flushed before each call, median (and median of paired ratios)"}
-        chunks = sorted({self.row_chunk, min(self.m, 2 * self.row_chunk), max(1, self.row_chunk // 2)})
+        chunks = self._chunks()
         for rc in chunks:
             scratch = torch.empty(min(rc, self.m), self.k, device=self.dev, dtype=self.dtype)
             acc = StagedDrafterInput(self.widths, w, ds, ss, os_, self.m, row_chunk=rc, quantize_fn=self.quantize,
@@ -470,6 +487,12 @@ class Bench:
                  "staged_quantize_ms": quant["staged"], "concat_quantize_ms": quant["concat"],
                  "project_ms": proj["default"], "project_torch_dequant_ms": proj["torch_dequant"]}
             r["project_TFLOPs"] = 2 * self.m * self.k * self.n / (r["project_ms"] * 1e-3) / 1e12
+            if self.cuda:  # the same two steps captured in CUDA graphs: no Python launch overhead
+                try:
+                    gs, gc = self.time_graph_ms([staged]), self.time_graph_ms([concat])
+                    r.update(graph_staged_ms=gs, graph_concat_ms=gc, graph_ratio_staged_over_concat=gs / gc)
+                except Exception as e:
+                    r["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             res[f"row_chunk_{rc}"] = r
             del scratch, acc
         # the plain bf16 GEMM on the concatenated bf16 input (no MX), for scale
@@ -602,13 +625,19 @@ class Bench:
             lines.append(f"projection function (both paths): `{tim.get('projection_fn')}`; {tim.get('method')}; "
                          f"{tim.get('reps')} reps")
             lines.append("")
-            lines.append("| row_chunk | staged ms | concat ms | staged/concat | paired | quantize staged / concat ms | dequant+GEMM ms (torch dequant) |")
-            lines.append("|---|---|---|---|---|---|---|")
+            lines.append("| row_chunk | staged ms | concat ms | staged/concat | paired | graph staged / concat ms (ratio) "
+                         "| quantize staged / concat ms | dequant+GEMM ms (torch dequant) | step peak staged/concat |")
+            lines.append("|---|---|---|---|---|---|---|---|---|")
+            by_rc = mem.get("by_row_chunk", {})
             for key in sorted((k for k in tim if k.startswith("row_chunk_")), key=lambda k: int(k.split("_")[-1])):
                 x = tim[key]
-                lines.append(f"| {key.split('_')[-1]} | {x['staged_ms']:.3f} | {x['concat_ms']:.3f} | {x['ratio_staged_over_concat']:.3f} | "
-                             f"{x['paired_ratio_staged_over_concat']:.3f} | {x['staged_quantize_ms']:.3f} / {x['concat_quantize_ms']:.3f} | "
-                             f"{x['project_ms']:.3f} ({x['project_torch_dequant_ms']:.3f}) |")
+                rc = int(key.split("_")[-1])
+                gtxt = (f"{x['graph_staged_ms']:.3f} / {x['graph_concat_ms']:.3f} ({x['graph_ratio_staged_over_concat']:.3f})"
+                        if "graph_staged_ms" in x else "-")
+                mtxt = f"{by_rc[rc]['step_ratio']:.3f}" if rc in by_rc else "-"
+                lines.append(f"| {rc} | {x['staged_ms']:.3f} | {x['concat_ms']:.3f} | {x['ratio_staged_over_concat']:.3f} | "
+                             f"{x['paired_ratio_staged_over_concat']:.3f} | {gtxt} | {x['staged_quantize_ms']:.3f} / {x['concat_quantize_ms']:.3f} | "
+                             f"{x['project_ms']:.3f} ({x['project_torch_dequant_ms']:.3f}) | {mtxt} |")
         bw = r.get("bandwidth", {})
         if "copy_GBps" in bw:
             lines.append("")

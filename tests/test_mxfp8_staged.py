@@ -209,7 +209,7 @@ def test_projection_dequantizer_choice_and_override():
     """CPU default is the torch dequantizer; a caller-given one (e.g. the fused Triton kernel on CUDA)
     is used by both paths, and a byte-identical dequantizer gives bitwise-identical outputs."""
     assert si.default_dequantize_fn(torch.empty(0, dtype=torch.uint8), torch.bfloat16) is si._dequantize_torch
-    assert si.DEFAULT_ROW_CHUNK == 2048
+    assert si.DEFAULT_ROW_CHUNK == 1024  # meets staged/concat <= 1.00 on the H200 (benchmarks/NOTES.md)
     widths, n, m = [64, 96], 16, 7
     weight = torch.randn(n, sum(widths), dtype=torch.bfloat16)
     taps = _taps(m, widths)

@@ -32,10 +32,13 @@ QuantizeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 # Forwards with at least this many tokens use the staged path (when allowed).
 DEFAULT_STAGED_MIN_TOKENS = 512
 # Rows dequantized per GEMM call in project_mxfp8: scratch = row_chunk * K_total elements
-# (Kimi-K3, K_total = 43008: 168 MiB of bf16 at 2048). Measured on an H200 at M = 4096 (staged/concat
-# projection, rows 1024 / 512 / 2048): larger chunks run cuBLAS at a more efficient M, and 2048 was the
-# fastest while the staged step peak stays well under half of the concatenated one.
-DEFAULT_ROW_CHUNK = 2048
+# (Kimi-K3, K_total = 43008: 84 MiB of bf16 at 1024). Measured on an H200 at M = 4096, the whole
+# projection (quantize all taps + dequant + GEMM), staged / concatenated in the same run: 0.993 at 1024,
+# 1.035 at 2048, 1.044 at 4096 (the staged time itself is the same at 1024 and 2048, 4.16 vs 4.18 ms;
+# larger chunks only speed up the concatenated path). 1024 meets the goal <= 1.00 and halves the
+# scratch, so the staged step peak falls further below half of the concatenated one
+# (benchmarks/results/mxfp8_staged.h200.md, benchmarks/NOTES.md).
+DEFAULT_ROW_CHUNK = 1024
 
 DequantizeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -1,18 +1,23 @@
-"""Grouped MXFP4 MoE (W4A16) at Kimi-K3 expert shapes: time per layer against the machine's ceilings.
+"""Grouped MXFP4 MoE (W4A16, one launch per layer) at Kimi-K3 expert shapes: a small config sweep per token
+count, each config checked against the reference, times against the machine's ceilings.
 
-    python benchmarks/mxfp4_moe.py --out benchmarks/results          # GPU: Lt 3584, Im 3072, top-16 of 896
-    python benchmarks/mxfp4_moe.py --smoke --out /tmp/mxfp4_smoke     # tiny, CPU, PyTorch reference
+    python benchmarks/mxfp4_moe.py --out DIR                     # GPU: Lt 3584, Im 3072, top-16 of 896
+    python benchmarks/mxfp4_moe.py --smoke --out /tmp/mxfp4_smoke  # tiny, CPU (PyTorch reference, or the
+    TRITON_INTERPRET=1 python benchmarks/mxfp4_moe.py --smoke --out /tmp/s   # kernel under the interpreter)
 
-For 1, 64 and 4096 tokens it times one routed-expert layer (``run_mxfp4_experts_triton``: align + gate/up +
-down + slot sum) and reports, with denominators measured in the same run:
+For 1, 64 and 4096 tokens it times one routed-expert layer (``run_mxfp4_experts_triton``: align + the one
+kernel launch + the output cast) for every config of a small sweep (tile sizes, warps, stages, persistent
+programs per SM, decode), and reports, with denominators measured in the same run:
 - bytes moved (packed weights + scales of the experts hit, activations) per second, as a fraction of the
   device copy bandwidth (a 1 GiB ``copy_``: read + write) -- the decode ceiling;
 - FLOP/s (2 * tokens * top_k * 3 * Lt * Im) as a fraction of the cuBLAS bf16 GEMM rate at the experts'
   gate/up and down shapes -- the prefill ceiling;
 - packed weight bytes per layer vs bf16 (4.25 vs 16 bits per weight).
-A few tile configurations are timed per token count (``--no-sweep`` to time only the default); the
-kernel output is checked against the PyTorch reference at 64 tokens. Routing is random top-k (uniform).
-``--experts N`` keeps fewer experts in memory (the per-layer byte figures are still for 896).
+Every config's output is compared with the fp32 PyTorch reference on the same bf16 inputs (max abs error
+over max |ref|); a config over 2e-2 is reported as wrong and never "best". The bf16 PTX decode is also
+checked bitwise on all 256 bytes. Routing is random top-k (uniform). ``--experts N`` keeps fewer experts in
+memory (the per-layer byte figures are still for 896); ``--no-sweep`` times only the default config.
+Writes DIR/mxfp4_moe.json and DIR/mxfp4_moe.md.
 """
 
 from __future__ import annotations
@@ -30,10 +35,29 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from longflash.layers.activation import situ_and_mul  # noqa: E402
-from longflash.layers.mxfp4 import MXFP4Experts, run_mxfp4_experts  # noqa: E402
+from longflash.layers.mxfp4 import MXFP4Experts, e2m1_table, e8m0_to_float, run_mxfp4_experts  # noqa: E402
 
 K3 = dict(hidden=3584, inter=3072, experts=896, top_k=16)
-SMOKE = dict(hidden=64, inter=96, experts=8, top_k=2)
+SMOKE = dict(hidden=256, inter=128, experts=8, top_k=2)
+MAX_REL_ERR = 2e-2  # bf16 rounding of x·W and of the activation, fp32 accumulation
+
+# Tile sweeps (see benchmarks/NOTES.md). BLOCK_W = 64 per warpgroup (4 warps): the dequantized weights are
+# the wgmma's register operand, so two warpgroups on one BLOCK_W = 64 tile would both decode it.
+DECODE_SWEEP = {
+    "d_w64_k128_s3": dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2),
+    "d_w64_k128_s4": dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2),
+    "d_w64_k256_s3": dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=256, num_warps=4, num_stages=3, programs_per_sm=2),
+    "d_w128_k128_s3": dict(BLOCK_M=16, BLOCK_W=128, BLOCK_K=128, num_warps=8, num_stages=3, programs_per_sm=1),
+    "d_w64_k128_s3_triton_decode": dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3,
+                                        programs_per_sm=2, decode="small"),
+}
+PREFILL_SWEEP = {
+    "p_m64_w128_k64_s3": dict(BLOCK_M=64, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=3, programs_per_sm=1),
+    "p_m64_w128_k128_s2": dict(BLOCK_M=64, BLOCK_W=128, BLOCK_K=128, num_warps=8, num_stages=2, programs_per_sm=1),
+    "p_m128_w128_k64_s2": dict(BLOCK_M=128, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=2, programs_per_sm=1),
+    "p_m32_w128_k64_s3": dict(BLOCK_M=32, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=3, programs_per_sm=1),
+    "p_m64_w64_k64_s3": dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, programs_per_sm=2),
+}
 
 
 def _commit() -> str:
@@ -42,7 +66,7 @@ def _commit() -> str:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "longflash", "benchmarks"], cwd=root,
                                capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        return (sha or "HEAD") + ("-dirty" if dirty else "")
     except OSError:
         return "unknown"
 
@@ -91,7 +115,8 @@ def gemm_rate(device: torch.device, shapes: list[tuple[int, int, int]], dtype: t
 
 
 def make_experts(E: int, D: int, I: int, device: torch.device, seed: int = 0) -> MXFP4Experts:
-    """Random packed experts: uniform E2M1 codes, scale bytes 119..123 (2^-8..2^-4)."""
+    """Random packed experts: uniform bytes (any byte order is as random as another, so the buffers are
+    filled directly), scale bytes 119..123 (2^-8..2^-4)."""
     torch.manual_seed(seed)
     with torch.device(device):
         ex = MXFP4Experts(E, D, I, situ_and_mul, "situ", (4.0, 25.0))
@@ -99,6 +124,7 @@ def make_experts(E: int, D: int, I: int, device: torch.device, seed: int = 0) ->
     ex.w2_weight_packed.random_(0, 256)
     ex.w13_weight_scale.random_(119, 124)
     ex.w2_weight_scale.random_(119, 124)
+    ex.reset_scale_stats()
     return ex
 
 
@@ -107,24 +133,29 @@ def expert_bytes(D: int, I: int) -> int:
     return 3 * (D * I // 2 + D * I // 32)
 
 
-SWEEP = {  # tile configs timed besides the default; BLOCK_M follows rows per expert
-    "decode": [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
-               dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
-               dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, dot_scaled=True, allow_broken_dot_scaled=True)],
-    "prefill": [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-                dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
-                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-                dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, dot_scaled=True, allow_broken_dot_scaled=True)],
-}
+def ptx_decode_check() -> bool | str:
+    """The bf16 PTX decode on every byte at a few scale bytes, bitwise against the fp32 decode in bf16."""
+    from longflash.layers.mxfp4_moe_triton import decode_bf16_pairs_gpu
+    try:
+        q = torch.arange(256, dtype=torch.uint8).repeat(6).cuda()
+        s = torch.tensor([2, 100, 119, 127, 128, 252], dtype=torch.uint8).repeat_interleave(256).cuda()
+        lo, hi = decode_bf16_pairs_gpu(q, s)
+        sc = e8m0_to_float(s)
+        want_lo = (e2m1_table(device="cuda")[(q & 15).long()] * sc).to(torch.bfloat16)
+        want_hi = (e2m1_table(device="cuda")[(q >> 4).long()] * sc).to(torch.bfloat16)
+        return bool(torch.equal(lo.view(torch.int16), want_lo.view(torch.int16))
+                    and torch.equal(hi.view(torch.int16), want_hi.view(torch.int16)))
+    except Exception as e:  # recorded, not fatal
+        return f"{type(e).__name__}: {e}"[:300]
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for mxfp4_moe.json and mxfp4_moe.md")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU with the PyTorch reference")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--experts", type=int, default=None, help="experts kept in memory (default 896)")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,64,4096)")
-    ap.add_argument("--no-sweep", action="store_true", help="time only the default tile config")
+    ap.add_argument("--no-sweep", action="store_true", help="time only the default config")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -146,9 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     if use_triton:
         from longflash.layers.mxfp4_moe_triton import default_config, run_mxfp4_experts_triton
 
-    per_layer_weights = K3["experts"] * 3 * K3["hidden"] * K3["inter"] if not args.smoke else E * 3 * D * I
-    n_exp_layer = K3["experts"] if not args.smoke else E
-    packed_layer = n_exp_layer * expert_bytes(K3["hidden"] if not args.smoke else D, K3["inter"] if not args.smoke else I)
+    n_exp_layer = E if args.smoke else K3["experts"]
+    per_layer_weights = n_exp_layer * 3 * D * I
+    packed_layer = n_exp_layer * expert_bytes(D, I)
     result = {
         "benchmark": "mxfp4_moe", "commit": _commit(), "command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -159,11 +190,13 @@ def main(argv: list[str] | None = None) -> dict:
         "packed_bytes_per_layer": packed_layer, "bf16_bytes_per_layer": 2 * per_layer_weights,
         "packed_over_bf16": packed_layer / (2 * per_layer_weights),
         "bits_per_weight": 8 * packed_layer / per_layer_weights,
-        "runs": [],
+        "max_rel_err_allowed": MAX_REL_ERR, "runs": [],
     }
     if use_triton:
         import triton
         result["triton"] = triton.__version__
+    if device.type == "cuda":
+        result["ptx_decode_bitwise"] = ptx_decode_check()
 
     gen = torch.Generator(device="cpu").manual_seed(1)
     for T in tokens:
@@ -174,16 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
         topk_ids = topk_ids.to(device)
         hit = int(torch.unique(topk_ids).numel())
         w_bytes = hit * expert_bytes(D, I)
-        act_bytes = 2 * (T * D + T * k * I * 2 + T * k * D * 2 + T * D)  # x, inter w+r, slot rows w+r, out
+        act_bytes = 2 * (T * D + T * k * I * 2) + 4 * T * D * 2  # x, inter w+r, fp32 out (atomics) + cast
         flops = 2 * T * k * 3 * D * I
-        iters = 50 if T <= 64 else 10
-        if args.smoke:
-            iters = 5
+        ref = run_mxfp4_experts(x.float(), ex, topk_w, topk_ids) if use_triton else None
+        iters = 5 if args.smoke else (30 if T <= 64 else 5)
         configs: list[tuple[str, dict | None]] = [("default", None)]
-        if use_triton and device.type == "cuda":
-            configs.append(("dot_scaled", {"dot_scaled": True, "allow_broken_dot_scaled": True}))
-        if use_triton and not args.no_sweep and not args.smoke:
-            configs += [(f"sweep{i}", c) for i, c in enumerate(SWEEP["decode" if T * k <= 4 * E else "prefill"])]
+        if use_triton and not args.no_sweep:
+            sweep = DECODE_SWEEP if T * k <= 4 * E else PREFILL_SWEEP
+            configs += list(sweep.items())[:1] if args.smoke else list(sweep.items())
         for name, cfg in configs:
             if use_triton:
                 fn = lambda c=cfg: run_mxfp4_experts_triton(x, ex, topk_w, topk_ids, c)  # noqa: E731
@@ -191,45 +222,36 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 fn = lambda: run_mxfp4_experts(x, ex, topk_w, topk_ids)  # noqa: E731
                 used = {}
+            run = {"tokens": T, "config": name, "tiles": used, "experts_hit": hit}
             try:
-                t = _time(fn, iters, 2 if not args.smoke else 1, device)
-            except Exception as e:  # a variant that does not compile on this device is recorded, not fatal
-                result["runs"].append({"tokens": T, "config": name, "tiles": used, "error": f"{type(e).__name__}: {e}"[:500]})
-                print(f"T={T:5d} {name:8s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                if ref is not None:
+                    got = fn().float()
+                    err = ((got - ref).abs().max() / ref.abs().max()).item()
+                    run["rel_err"] = err if err == err else float("inf")  # NaN -> inf
+                t = _time(fn, iters, 1, device)
+            except Exception as e:  # a variant that does not compile or run here is recorded, not fatal
+                run["error"] = f"{type(e).__name__}: {e}"[:500]
+                result["runs"].append(run)
+                print(f"T={T:5d} {name:28s} failed: {run['error'][:200]}", flush=True)
                 continue
             bw = (w_bytes + act_bytes) / t
-            run = {"tokens": T, "config": name, "tiles": used, "time_us": t * 1e6, "experts_hit": hit,
-                   "weight_bytes": w_bytes, "activation_bytes": act_bytes,
-                   "GBps": bw / 1e9, "frac_copy_bandwidth": bw / copy_bw,
-                   "TFLOPs": flops / t / 1e12, "frac_bf16_gemm": flops / t / gemm["best"]}
+            run.update(time_us=t * 1e6, weight_bytes=w_bytes, activation_bytes=act_bytes, GBps=bw / 1e9,
+                       frac_copy_bandwidth=bw / copy_bw, TFLOPs=flops / t / 1e12, frac_bf16_gemm=flops / t / gemm["best"])
             result["runs"].append(run)
-            print(f"T={T:5d} {name:10s} {t * 1e6:10.1f} us  {bw / 1e9:8.1f} GB/s ({bw / copy_bw:6.1%} of copy)  "
-                  f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / gemm['best']:6.1%} of bf16 GEMM)", flush=True)
-        del x
+            print(f"T={T:5d} {name:28s} {t * 1e6:10.1f} us  {bw / 1e9:8.1f} GB/s ({bw / copy_bw:6.1%} of copy)  "
+                  f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / gemm['best']:6.1%} of bf16 GEMM)  "
+                  f"rel err {run.get('rel_err', float('nan')):.2e}", flush=True)
+        x = ref = None  # free before the next token count
 
-    # correctness at real shapes: kernel vs the fp32 reference on the same bf16 inputs
-    if use_triton:
-        T = 64 if not args.smoke else 4
-        x = (torch.randn(T, D, generator=gen) * 0.05).to(device, dtype)
-        topk_w, topk_ids = torch.rand(T, E, generator=gen).topk(k, dim=-1)
-        topk_w, topk_ids = (topk_w / topk_w.sum(-1, keepdim=True)).to(device), topk_ids.to(device)
-        ref = run_mxfp4_experts(x.float(), ex, topk_w, topk_ids)
-        result["check_tokens"] = T
-        result["check_max_rel_err_vs_fp32_reference"] = {}
-        for name, cfg in [("default", None)] + ([("dot_scaled", {"dot_scaled": True, "allow_broken_dot_scaled": True})] if device.type == "cuda" else []):
-            try:
-                got = run_mxfp4_experts_triton(x, ex, topk_w, topk_ids, cfg).float()
-                err = ((got - ref).abs().max() / ref.abs().max()).item()
-            except Exception as e:
-                err = f"{type(e).__name__}: {e}"[:300]
-            result["check_max_rel_err_vs_fp32_reference"][name] = err
     best = {}
     for r in result["runs"]:
-        if "error" in r:
+        if "error" in r or r.get("rel_err", 0.0) > MAX_REL_ERR:
             continue
         if r["tokens"] not in best or r["time_us"] < best[r["tokens"]]["time_us"]:
             best[r["tokens"]] = r
-    result["best"] = {str(t): {"config": r["config"], "time_us": r["time_us"]} for t, r in best.items()}
+    result["best"] = {str(t): {"config": r["config"], "tiles": r["tiles"], "time_us": r["time_us"],
+                               "frac_copy_bandwidth": r["frac_copy_bandwidth"], "frac_bf16_gemm": r["frac_bf16_gemm"]}
+                      for t, r in best.items()}
     result["wall_s"] = time.perf_counter() - t_start
 
     os.makedirs(args.out, exist_ok=True)
@@ -241,9 +263,16 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _tiles(t: dict) -> str:
+    if not t:
+        return "-"
+    s = ",".join(str(t[k]) for k in ("BLOCK_M", "BLOCK_W", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm"))
+    return s + ("" if t.get("decode", "auto") == "auto" else f",{t['decode']}")
+
+
 def markdown(r: dict) -> str:
     s = r["shapes"]
-    lines = [f"## MXFP4 grouped MoE ({r['backend']}) -- {r['device']}", "",
+    lines = [f"## MXFP4 grouped MoE, one launch per layer ({r['backend']}) -- {r['device']}", "",
              f"commit `{r['commit']}`; command `{r['command']}`; torch {r['torch']}"
              + (f", triton {r['triton']}" if "triton" in r else ""), "",
              f"Latent {s['latent']}, intermediate {s['intermediate']}, top-{s['top_k']} of {s['experts_in_memory']} "
@@ -251,26 +280,27 @@ def markdown(r: dict) -> str:
              f"bf16 GEMM {r['bf16_gemm_TFLOPs']['best']:.0f} TFLOP/s (best of "
              + ", ".join(k for k in r["bf16_gemm_TFLOPs"] if k != "best") + ").",
              f"Packed weights per layer: {r['packed_bytes_per_layer'] / 2**30:.2f} GiB vs bf16 "
-             f"{r['bf16_bytes_per_layer'] / 2**30:.2f} GiB ({r['packed_over_bf16']:.4f}x, {r['bits_per_weight']:.2f} bits/weight).", "",
-             "| tokens | config | tiles (M,N,K,warps,stages) | experts hit | time (us) | GB/s | of copy BW | TFLOP/s | of bf16 GEMM |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+             f"{r['bf16_bytes_per_layer'] / 2**30:.2f} GiB ({r['packed_over_bf16']:.4f}x, {r['bits_per_weight']:.2f} bits/weight)."]
+    if "ptx_decode_bitwise" in r:
+        lines.append(f"bf16 PTX decode bitwise equal to the reference on all 256 bytes: {r['ptx_decode_bitwise']}.")
+    lines += ["", "| tokens | config | tiles (M,W,K,warps,stages,progs/SM) | experts hit | time (us) | GB/s | of copy BW "
+              "| TFLOP/s | of bf16 GEMM | rel err |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for x in r["runs"]:
-        t = x["tiles"]
-        tiles = ",".join(str(t[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")) if t else "-"
-        tiles += ",ds" if t.get("dot_scaled") else ""
+        tiles = _tiles(x["tiles"])
         if "error" in x:
-            lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | failed: {x['error'][:120]} | | | | | |")
+            lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | failed: {x['error'][:120]} | | | | | | |")
             continue
+        err = x.get("rel_err")
+        flag = "" if err is None or err <= r["max_rel_err_allowed"] else " WRONG"
         lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | {x['experts_hit']} | {x['time_us']:.1f} | {x['GBps']:.0f} | "
-                     f"{x['frac_copy_bandwidth']:.1%} | {x['TFLOPs']:.1f} | {x['frac_bf16_gemm']:.1%} |")
-    if "check_max_rel_err_vs_fp32_reference" in r:
-        errs = ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in r["check_max_rel_err_vs_fp32_reference"].items())
-        lines += ["", f"Kernel vs fp32 reference at {r['check_tokens']} tokens ({s['activation_dtype']} activations), "
-                  f"max rel err: {errs}."]
-    lines += ["", "Configs: `default` = in-register decode with the default tiles; `dot_scaled` = the same tiles with "
-              "`tl.dot_scaled` upcasting the weights; `sweepN` = other tiles (`ds`: with `tl.dot_scaled`)."]
-    lines.append(f"\nWall time {r['wall_s']:.1f} s.")
+                     f"{x['frac_copy_bandwidth']:.1%} | {x['TFLOPs']:.1f} | {x['frac_bf16_gemm']:.1%} | "
+                     + ("-" if err is None else f"{err:.2e}{flag}") + " |")
+    lines += ["", "Best (correct) per token count: " + "; ".join(
+        f"{t}: `{b['config']}` {b['time_us']:.1f} us ({b['frac_copy_bandwidth']:.1%} of copy, "
+        f"{b['frac_bf16_gemm']:.1%} of bf16 GEMM)" for t, b in r["best"].items()) + ".",
+        "", "`default` = `default_config`; `d_*`/`p_*` = decode/prefill sweep (`BLOCK_W` weight rows per tile, "
+        "`BLOCK_K` columns per step); rel err = max |kernel - fp32 reference| / max |reference|.",
+        f"\nWall time {r['wall_s']:.1f} s."]
     return "\n".join(lines) + "\n"
 
 

@@ -240,3 +240,24 @@ def test_weight_report_counts_packed_bytes(tiny):
 def test_mxfp4_experts_module_rejects_bad_widths():
     with pytest.raises(ValueError, match="multiple of 32"):
         MXFP4Experts(2, 48, 64, lambda g, u: g * u)
+
+
+def test_packed_bytes_kept_in_kernel_order_and_dequantized_in_checkpoint_order():
+    """``MXFP4Experts`` stores each 16-byte group 4x4-transposed (byte c + 4j at 4c + j, the order the GPU
+    kernel's MMA fragments want); ``dequantize`` still gives the checkpoint's matrix, and the transpose is its
+    own inverse."""
+    from longflash.layers.mxfp4 import from_kernel_byte_order, to_kernel_byte_order
+    ex = MXFP4Experts(1, 64, 64, lambda g, u: g * u)
+    torch.manual_seed(0)
+    packed = torch.randint(0, 256, (64, 32), dtype=torch.uint8)  # down_proj [D, I/2]: 2 groups of 16 bytes
+    scale = torch.randint(118, 130, (64, 2), dtype=torch.uint8)
+    ex.load_checkpoint_tensor("0.down_proj.weight_packed", packed)
+    ex.load_checkpoint_tensor("0.down_proj.weight_scale", scale)
+    stored = ex.w2_weight_packed[0]
+    assert stored[5, 4 * 2 + 1].item() == packed[5, 2 + 4 * 1].item()        # group 0: byte c + 4j at 4c + j
+    assert stored[5, 16 + 4 * 3 + 2].item() == packed[5, 16 + 3 + 4 * 2].item()  # group 1
+    assert torch.equal(from_kernel_byte_order(stored), packed)
+    assert torch.equal(to_kernel_byte_order(to_kernel_byte_order(packed)), packed)
+    assert torch.equal(ex.dequantize(0, "down_proj", torch.float32), dequantize_mxfp4(packed, scale))
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        to_kernel_byte_order(packed[:, :8])

@@ -1,11 +1,12 @@
-"""The Triton grouped MXFP4 MoE kernel equals the PyTorch reference ``run_mxfp4_experts``: on the CPU under
+"""The one-launch Triton MXFP4 MoE kernel equals the PyTorch reference ``run_mxfp4_experts``: on the CPU under
 ``TRITON_INTERPRET=1`` at small, awkward shapes (0 and 1 token, rows not a multiple of BLOCK_M, widths not a
-multiple of BLOCK_N/BLOCK_K), and on the GPU at Kimi-K3 expert shapes.
+multiple of BLOCK_W/BLOCK_K, every decode), compiled for sm_90 without a GPU, and on the GPU at Kimi-K3
+expert shapes (there also the bf16 PTX decode, bitwise).
 
 The interpreter must be selected before triton is imported, so the CPU checks run in a subprocess
 (this file run as a script). Triton 3.6's interpreter computes ``tl.dot`` of bf16 operands wrongly (a 16x16
-product off by ~1e10, while loads/casts are right), so low-precision activations are checked in fp16 there
-and in bf16 on the GPU."""
+product off by ~1e10, while loads/casts are right) and has no inline asm, so low-precision activations are
+checked in fp16 there and in bf16 on the GPU."""
 
 import json
 import os
@@ -15,11 +16,13 @@ import sys
 import pytest
 import torch
 
-# fp32 tolerance: same products, another summation order (and an exp-based tanh in the kernel).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fp32 tolerance: same products, another summation order (atomics, an exp-based tanh in the kernel).
 FP32_REL = 1e-5
 
 
 def _experts(E, D, I, activation, seed=0, device="cpu"):
+    """Random experts written the way the loader writes them (``load_checkpoint_tensor``)."""
     from longflash.layers.activation import silu_and_mul, situ_and_mul
     from longflash.layers.mxfp4 import MXFP4Experts, quantize_mxfp4
     g = torch.Generator(device=device).manual_seed(seed)
@@ -27,10 +30,10 @@ def _experts(E, D, I, activation, seed=0, device="cpu"):
     with torch.device(device):
         ex = MXFP4Experts(E, D, I, act, activation, (4.0, 25.0) if activation == "situ" else ())
     for e in range(E):  # quantized where they live (the GPU test's K3-sized experts too)
-        p, s = quantize_mxfp4(torch.randn(2 * I, D, generator=g, device=device) * 0.5)
-        ex.w13_weight_packed[e], ex.w13_weight_scale[e] = p, s
-        p, s = quantize_mxfp4(torch.randn(D, I, generator=g, device=device) * 0.5)
-        ex.w2_weight_packed[e], ex.w2_weight_scale[e] = p, s
+        for proj, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+            p, s = quantize_mxfp4(torch.randn(*shape, generator=g, device=device) * 0.5)
+            ex.load_checkpoint_tensor(f"{e}.{proj}.weight_packed", p)
+            ex.load_checkpoint_tensor(f"{e}.{proj}.weight_scale", s)
     return ex
 
 
@@ -60,7 +63,6 @@ def _interpreter_checks() -> dict:
                                                    want.view(torch.int32)[~want.isnan()]))
     out["decode_nan_equal"] = bool(torch.equal(got.isnan(), want.isnan()))
     # fast path for scale bytes <= 128: every code in the low and in the high nibble
-    codes = torch.arange(16, dtype=torch.uint8).repeat(8)
     scales = torch.tensor([0, 1, 2, 100, 120, 126, 127, 128], dtype=torch.uint8).repeat_interleave(16)
     lo, hi = torch.empty(128), torch.empty(128)
     _decode_small_kernel[(1,)](codes | (((15 - codes) & 15) << 4), scales, lo, hi, N=128)
@@ -70,34 +72,38 @@ def _interpreter_checks() -> dict:
                                              and torch.equal(hi.view(torch.int32), want_hi.view(torch.int32)))
 
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3], [3, 0]])
-    sorted_ids, block_expert = moe_align(ids, 5, 4)
-    out["align_sorted_ids"] = sorted_ids.tolist()
-    out["align_block_expert"] = block_expert.tolist()
+    sorted_ids, block_expert, num_blocks = moe_align(ids, 5, 4)
+    out["align"] = [sorted_ids.tolist(), block_expert.tolist(), num_blocks.tolist()]
 
     errs = {}
-    cases = [(0, "situ", None), (1, "situ", None), (5, "situ", None), (33, "situ", None),
-             (5, "situ", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)), (33, "silu", dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)),
-             (40, "situ", dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)),
-             (33, "situ", dict(general_decode=True)), (5, "situ", dict(BLOCK_K=64, general_decode=True))]
-    E, D, I, k = 5, 96, 64, 2  # D = 3 groups of 32: not a multiple of BLOCK_K 64/128 nor BLOCK_N 64
-    for T, act, cfg in cases:
-        ex = _experts(E, D, I, act)
+    # (E, D, I, k): D = 3 groups of 32, not a multiple of BLOCK_K 64/128 nor of BLOCK_W 64; and widths that
+    # are multiples of 128 (the unmasked K path); BLOCK_W > D and > I in one case.
+    small, even = (5, 96, 64, 2), (4, 256, 128, 3)
+    cases = [(small, 0, "situ", None), (small, 1, "situ", None), (small, 5, "situ", None),
+             (small, 33, "silu", dict(BLOCK_M=32, BLOCK_W=16, BLOCK_K=32)),
+             (small, 5, "situ", dict(BLOCK_M=16, BLOCK_W=128, BLOCK_K=128, programs_per_sm=1)),
+             (small, 33, "situ", dict(decode="general", BLOCK_K=64)),
+             (even, 20, "situ", dict(BLOCK_M=16, BLOCK_W=32, BLOCK_K=128, decode="small")),
+             (even, 40, "silu", dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=256))]
+    for (E, D, I, k), T, act, cfg in cases:
+        ex = _experts(E, D, I, act, seed=T)
         w, ids = _routing(T, E, k, seed=T)
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(T))
         ref = run_mxfp4_experts(x, ex, w, ids)
         got = run_mxfp4_experts_triton(x, ex, w, ids, cfg)
-        key = f"T={T},{act},{cfg}"
+        key = f"E={E},D={D},I={I},k={k},T={T},{act},{cfg}"
         if T == 0:
             errs[key] = 0.0 if got.shape == (0, D) else float("inf")
         else:
             errs[key] = _rel(got, ref)
     out["rel_err"] = errs
     # scale bytes > 128 (weights ~2^8): the general decode is chosen automatically
+    E, D, I, k = small
     ex = _experts(E, D, I, "situ")
     for b in (ex.w13_weight_scale, ex.w2_weight_scale):
         b += 10
     ex.reset_scale_stats()
-    out["large_scale_max_byte"] = ex.max_scale_byte("w13")
+    out["large_scale_range"] = list(ex.scale_byte_range("w13"))
     w, ids = _routing(9, E, k, seed=9)
     x = torch.randn(9, D, generator=torch.Generator().manual_seed(9)) * 1e-6
     out["large_scale_rel_err"] = _rel(run_mxfp4_experts_triton(x, ex, w, ids), run_mxfp4_experts(x, ex, w, ids))
@@ -112,7 +118,7 @@ def _interpreter_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def interp():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -126,41 +132,57 @@ def test_interpreter_decode_in_registers_is_exact(interp):
 def test_moe_align_sorts_and_pads_per_expert(interp):
     # flat rows: 0:3 1:0 2:3 3:1 4:0 5:3 6:2 7:3 8:3 9:0 ; N = 10 pads; BLOCK_M 4, max_blocks 10//4 + 5 = 7
     P = 10
-    assert interp["align_sorted_ids"] == [1, 4, 9, P, 3, P, P, P, 6, P, P, P, 0, 2, 5, 7, 8, P, P, P, P, P, P, P, P, P, P, P]
-    assert interp["align_block_expert"] == [0, 1, 2, 3, 3, -1, -1]
+    sorted_ids, block_expert, num_blocks = interp["align"]
+    assert sorted_ids == [1, 4, 9, P, 3, P, P, P, 6, P, P, P, 0, 2, 5, 7, 8, P, P, P, P, P, P, P, P, P, P, P]
+    assert block_expert == [0, 1, 2, 3, 3, -1, -1]
+    assert num_blocks == [5]
 
 
 def test_interpreter_kernel_equals_reference(interp):
-    assert len(interp["rel_err"]) == 9
+    assert len(interp["rel_err"]) == 8
     for case, err in interp["rel_err"].items():
         assert err <= FP32_REL, (case, err)
     assert interp["fp16_rel_err"] <= 3e-3  # fp16 rounding of x·W, the activation and the slot rows
-    assert interp["large_scale_max_byte"] > 128 and interp["large_scale_rel_err"] <= FP32_REL
+    assert interp["large_scale_range"][1] > 128 and interp["large_scale_rel_err"] <= FP32_REL
+
+
+def test_bad_input_raises_clear_errors():
+    from longflash.layers.mxfp4_moe_triton import run_mxfp4_experts_triton
+    ex = _experts(2, 64, 32, "situ")
+    x, w, ids = torch.zeros(1, 64), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="unknown MXFP4 MoE config keys"):
+        run_mxfp4_experts_triton(x, ex, w, ids, {"dot_scaled": True})
+    with pytest.raises(ValueError, match="BLOCK_K must be a power of two >= 32"):
+        run_mxfp4_experts_triton(x, ex, w, ids, {"BLOCK_K": 48})
+    with pytest.raises(ValueError, match="decode 'asm' is not exact here"):
+        run_mxfp4_experts_triton(x, ex, w, ids, {"decode": "asm"})  # bf16 PTX: CUDA only
+    with pytest.raises(ValueError, match="the experts expect"):
+        run_mxfp4_experts_triton(torch.zeros(1, 32), ex, w, ids)
+    with pytest.raises(ValueError, match="must both be"):
+        run_mxfp4_experts_triton(x, ex, w, ids[:, :0])
 
 
 def _compile_sm90() -> dict:
     """Compile the kernel for sm_90 with Triton's bundled ptxas (no GPU needed): catches what the
-    interpreter cannot (lowering of dot/dot_scaled, layouts). Returns {variant: "ok" | error}."""
+    interpreter cannot (lowering of the dots, the inline PTX, layouts). Returns {variant: "ok" | error}."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from longflash.layers.mxfp4_moe_triton import _mxfp4_moe_gemm_kernel as kern
-    ptrs = {"a_ptr": "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
-    ints = ["num_rows", "a_row_div", "N", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om"]
+    from longflash.layers.mxfp4_moe_triton import _mxfp4_moe_kernel as kern
+    ptrs = {"x_ptr": "*bf16", "w13q_ptr": "*u8", "w13s_ptr": "*u8", "w2q_ptr": "*u8", "w2s_ptr": "*u8",
+            "inter_ptr": "*bf16", "out_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+            "topk_w_ptr": "*fp32", "sched_ptr": "*i32"}
+    ints = ["num_rows", "top_k", "stride_xm", "stride_13qe", "stride_13qn", "stride_13se", "stride_13sn",
+            "stride_2qe", "stride_2qn", "stride_2se", "stride_2sn", "stride_im", "stride_om"]
     out = {}
-    for gated, small, ds, bm, bn, bk, warps, k in [(True, True, False, 16, 64, 128, 4, 3584),
-                                                 (False, True, False, 16, 64, 128, 4, 3072),
-                                                 (True, False, False, 64, 128, 128, 8, 3584),
-                                                 (True, True, True, 64, 128, 128, 8, 3584),
-                                                 (False, True, True, 16, 64, 128, 4, 3072)]:
-        consts = dict(K=k, GATED=gated, ACT=1, MUL_ROUTED_WEIGHT=not gated, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      DOT_PRECISION="tf32", DOT_SCALED=ds, A_FORMAT="bf16", SMALL_SCALES=small)
+    for dec, bm, bw, bk, warps in [(2, 16, 64, 128, 4), (2, 64, 128, 64, 8), (1, 16, 64, 128, 4), (0, 32, 64, 64, 4)]:
+        consts = dict(D=3584, I=3072, ACT=1, BLOCK_M=bm, BLOCK_W=bw, BLOCK_K=bk, DOT_PRECISION="tf32",
+                      DECODE13=dec, DECODE2=dec)
         sig = dict(ptrs, **{n: "i32" for n in ints}, beta="fp32", linear_beta="fp32", **{c: "constexpr" for c in consts})
         idx = kern.arg_names.index
         src = ASTSource(fn=kern, signature=sig, constexprs={(idx(n),): v for n, v in consts.items()},
-                        attrs={(idx(n),): [["tt.divisibility", 16]] for n in list(ptrs) + ints})
-        key = f"gated={gated},small_scales={small},dot_scaled={ds},BM={bm}"
+                        attrs={(idx(n),): [["tt.divisibility", 16]] for n in list(ptrs) + ints[2:]})
+        key = f"decode={dec},BM={bm},BW={bw},BK={bk},warps={warps}"
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
             out[key] = "ok" if compiled.asm.get("cubin") else "no cubin"
@@ -173,17 +195,34 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     if not os.path.exists(os.path.join(os.path.dirname(__import__("triton").__file__), "backends/nvidia/bin/ptxas")):
         pytest.skip("Triton's bundled ptxas is not available")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, __file__, "--compile-sm90"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(res) == 5 and all(v == "ok" for v in res.values()), res
+    assert len(res) == 4 and all(v == "ok" for v in res.values()), res
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dot_scaled", [False])
+def test_gpu_bf16_ptx_decode_is_exact():
+    """Every byte (both nibbles) at scale bytes across [2, 252]: the PTX decode equals the fp32 reference
+    rounded to bf16 (exact: E2M1 times a power of two), bit for bit."""
+    from longflash.layers.mxfp4 import e2m1_table, e8m0_to_float
+    from longflash.layers.mxfp4_moe_triton import decode_bf16_pairs_gpu
+    q = torch.arange(256, dtype=torch.uint8).repeat(8).cuda()
+    s = torch.tensor([2, 3, 100, 119, 127, 128, 200, 252], dtype=torch.uint8).repeat_interleave(256).cuda()
+    lo, hi = decode_bf16_pairs_gpu(q, s)
+    sc = e8m0_to_float(s)
+    want_lo = (e2m1_table(device="cuda")[(q & 15).long()] * sc).to(torch.bfloat16)
+    want_hi = (e2m1_table(device="cuda")[(q >> 4).long()] * sc).to(torch.bfloat16)
+    assert torch.equal(lo.view(torch.int16), want_lo.view(torch.int16))
+    assert torch.equal(hi.view(torch.int16), want_hi.view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("T", [1, 64, 300])
-def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T, dot_scaled):
-    """Lt 3584, Im 3072, top-16 (of 32 experts in memory, to keep the test small), bf16 activations."""
+def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T):
+    """Lt 3584, Im 3072, top-16 (of 32 experts in memory, to keep the test small): bf16 activations with the
+    PTX decode and with the Triton one, fp32 activations; against the fp32 reference of the same inputs."""
     from longflash.layers.mxfp4 import run_mxfp4_experts
     from longflash.layers.mxfp4_moe_triton import run_mxfp4_experts_triton
     E, D, I, k = 32, 3584, 3072, 16
@@ -191,10 +230,11 @@ def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T, dot_scaled):
     w, ids = _routing(T, E, k, seed=T, device="cuda")
     x = (torch.randn(T, D, generator=torch.Generator().manual_seed(T)) * 0.05).to("cuda", torch.bfloat16)
     ref = run_mxfp4_experts(x.float(), ex, w, ids)  # fp32 reference of the same bf16 inputs
-    got = run_mxfp4_experts_triton(x, ex, w, ids, {"dot_scaled": dot_scaled})
-    assert _rel(got, ref) <= 2e-2  # bf16 rounding of x·W and of the activation (the kernel accumulates in fp32)
-    if not dot_scaled:
-        assert _rel(run_mxfp4_experts_triton(x.float(), ex, w, ids), ref) <= 1e-4
+    for decode in ("asm", "small"):
+        got = run_mxfp4_experts_triton(x, ex, w, ids, {"decode": decode})
+        assert torch.isfinite(got).all()
+        assert _rel(got, ref) <= 2e-2, decode  # bf16 rounding of x·W and of the activation (fp32 accumulation)
+    assert _rel(run_mxfp4_experts_triton(x.float(), ex, w, ids), ref) <= 1e-4
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--compile-sm90"]:
@@ -222,10 +262,3 @@ elif __name__ == "__main__":
         tl.store(hi_ptr + offs, _hi_nibble_small(q, sc))
 
     print(json.dumps(_interpreter_checks()))
-
-
-def test_broken_dot_scaled_variant_is_refused():
-    from longflash.layers.mxfp4_moe_triton import run_mxfp4_experts_triton
-    with pytest.raises(ValueError, match="dot_scaled MXFP4 variant is disabled"):
-        run_mxfp4_experts_triton(torch.zeros(1, 64), _experts(2, 64, 32, "situ"), torch.ones(1, 1),
-                                 torch.zeros(1, 1, dtype=torch.long), {"dot_scaled": True})

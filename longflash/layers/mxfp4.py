@@ -152,6 +152,20 @@ def routed_experts_packed(qcfg: dict | None, layer_idx: int) -> bool:
 
 # ---- packed expert container ----------------------------------------------------------------------------
 
+def to_kernel_byte_order(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., in/2]`` checkpoint bytes -> the order ``MXFP4Experts`` keeps them in: within each 32-column
+    group (16 bytes) byte ``c + 4j`` moves to ``4c + j`` (a 4x4 transpose, its own inverse). So the 4 bytes
+    one thread of the Hopper MMA needs (columns 2c, 2c+1, 2c+8, 2c+9, ... of the group) are one aligned word
+    (``mxfp4_moe_triton`` puts the columns back in order in registers). Raises ValueError for a width that
+    is not a multiple of 16 bytes."""
+    if packed.shape[-1] % 16:
+        raise ValueError(f"packed MXFP4 rows must be a multiple of 16 bytes (32 columns), got {packed.shape[-1]}")
+    lead = packed.shape[:-1]
+    return packed.reshape(*lead, -1, 4, 4).transpose(-1, -2).reshape(*lead, packed.shape[-1])
+
+
+from_kernel_byte_order = to_kernel_byte_order  # the 4x4 transpose is an involution
+
 _PROJ = ("gate_proj", "up_proj", "down_proj")  # checkpoint w1, w3, w2 after remap_checkpoint_name
 
 
@@ -163,6 +177,9 @@ class MXFP4Experts(nn.Module):
             rows I..2I-1 the up projection (w3);
         w2_weight_packed [E, D, I/2], w2_weight_scale [E, D, I/32]: the down projection (w2).
     D = expert input/output width (the latent width Lt for Kimi-K3), I = moe_intermediate_size.
+    NOTE: the packed bytes are kept in ``to_kernel_byte_order`` (a 4x4 transpose within each 16-byte group),
+    not in checkpoint order; write them through ``load_checkpoint_tensor`` and read them through
+    ``dequantize`` (or ``from_kernel_byte_order``).
 
     ``forward(x [T, D], topk_weights [T, k] fp32, topk_ids [T, k] int64) -> [T, D]`` in x's dtype: the
     Triton grouped kernel on CUDA, the PyTorch reference elsewhere (``backend`` = auto|reference|triton).
@@ -186,7 +203,7 @@ class MXFP4Experts(nn.Module):
         self.register_buffer("w2_weight_packed", torch.empty(E, D, I // 2, dtype=torch.uint8))
         self.register_buffer("w2_weight_scale", torch.empty(E, D, I // G, dtype=torch.uint8))
         self._loaded = bytearray(E * 6)  # (expert, proj, packed|scale) -> 1 once copied in
-        self._max_scale: dict[str, int] = {}  # "w13"/"w2" -> largest scale byte (kernel fast path if <= 128)
+        self._scale_range: dict[str, tuple[int, int]] = {}  # "w13"/"w2" -> (min, max) scale byte (kernel decode)
 
     # -- loading --
     def _target(self, e: int, proj: str, kind: str) -> torch.Tensor:
@@ -216,10 +233,11 @@ class MXFP4Experts(nn.Module):
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ValueError(f"has shape {list(tensor.shape)} in the checkpoint, expected {list(dst.shape)}")
         with torch.no_grad():
-            dst.copy_(tensor)
-        if kind == "weight_scale":
+            dst.copy_(to_kernel_byte_order(tensor) if kind == "weight_packed" else tensor)
+        if kind == "weight_scale" and tensor.numel():
             key = "w2" if proj == "down_proj" else "w13"
-            self._max_scale[key] = max(self._max_scale.get(key, 0), int(tensor.max()) if tensor.numel() else 0)
+            lo, hi = self._scale_range.get(key, (255, 0))
+            self._scale_range[key] = (min(lo, int(tensor.min())), max(hi, int(tensor.max())))
         self._loaded[e * 6 + _PROJ.index(proj) * 2 + (kind == "weight_scale")] = 1
 
     def missing_checkpoint_tensors(self) -> list[str]:
@@ -227,21 +245,23 @@ class MXFP4Experts(nn.Module):
         return [f"{i // 6}.{_PROJ[(i % 6) // 2]}.{('weight_packed', 'weight_scale')[i % 2]}"
                 for i, v in enumerate(self._loaded) if not v]
 
-    def max_scale_byte(self, which: str) -> int:
-        """Largest E8M0 byte of ``w13`` or ``w2``: tracked while loading, else computed once from the buffer
-        (a device sync). NOTE: call ``reset_scale_stats()`` after writing the scale buffers directly."""
-        if which not in self._max_scale:
+    def scale_byte_range(self, which: str) -> tuple[int, int]:
+        """(smallest, largest) E8M0 byte of ``w13`` or ``w2`` (the kernel picks its decode by it): tracked
+        while loading, else computed once from the buffer (a device sync). NOTE: call
+        ``reset_scale_stats()`` after writing the scale buffers directly."""
+        if which not in self._scale_range:
             buf = self.w13_weight_scale if which == "w13" else self.w2_weight_scale
-            self._max_scale[which] = int(buf.max()) if buf.numel() else 0
-        return self._max_scale[which]
+            self._scale_range[which] = (int(buf.min()), int(buf.max())) if buf.numel() else (127, 127)
+        return self._scale_range[which]
 
     def reset_scale_stats(self) -> None:
-        self._max_scale = {}
+        self._scale_range = {}
 
     # -- compute --
     def dequantize(self, e: int, proj: str, dtype: torch.dtype) -> torch.Tensor:
         """One expert's matrix [out, in] in ``dtype`` (the tile the reference works on)."""
-        return dequantize_mxfp4(self._target(e, proj, "weight_packed"), self._target(e, proj, "weight_scale"), dtype)
+        return dequantize_mxfp4(from_kernel_byte_order(self._target(e, proj, "weight_packed")),
+                                self._target(e, proj, "weight_scale"), dtype)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         use_triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)

@@ -1,20 +1,36 @@
-"""Grouped MoE with MXFP4 expert weights dequantized in registers (W4A16), Triton.
+"""Grouped MoE with MXFP4 expert weights dequantized in registers (W4A16), Triton: one launch per layer.
 
 Same signature and result as the PyTorch reference ``longflash.layers.mxfp4.run_mxfp4_experts``:
 ``run_mxfp4_experts_triton(x [T, D], experts: MXFP4Experts, topk_weights [T, k], topk_ids [T, k]) -> [T, D]``.
 
-Algorithm (vLLM ``fused_moe`` shape, with MXFP4 B tiles):
-1. ``moe_align``: the T*k (token, slot) rows sorted by expert and padded per expert to BLOCK_M, so every
-   row block belongs to one expert; computed with device ops only (no host sync), the number of blocks
-   bounded by ``T*k // BLOCK_M + min(T*k, E)``; unused blocks carry expert -1 and exit at once.
-2. GEMM 1 (one launch for all experts): ``act(x·W1ᵀ, x·W3ᵀ)`` -> ``inter [T*k, I]`` (gate and up tiles in
-   the same program, SiTU or SiLU fused).
-3. GEMM 2 (one launch): ``inter·W2ᵀ`` times the routing weight -> ``[T*k, D]``; then the k slots of each
-   token are summed in fp32 (deterministic; no atomics).
-In the kernels a B tile is loaded as packed bytes [BK/2, BN]; the low nibbles are the even input columns
-and the high nibbles the odd ones, so the A tile is loaded as its even and odd columns and two dots
-accumulate (no interleave in registers). E2M1 and E8M0 are decoded with integer bit operations, exact
-also under ``TRITON_INTERPRET=1`` (byte 0 -> 2^-127, 0xFF -> NaN, as in the reference).
+What one call does (bytes/FLOPs model and measurements: ``benchmarks/NOTES.md``):
+
+1. Torch ops, no host sync: ``moe_align`` sorts the T*k (token, slot) rows by expert and pads each expert
+   to BLOCK_M rows (row blocks of one expert each, the vLLM ``moe_align_block_size`` layout); an int32
+   scheduler buffer and the fp32 output are zeroed.
+2. **One kernel launch** for all experts and both GEMMs. The work is a list of tiles:
+   - gate/up tiles ``(row block m, I-tile j)``: ``h = act(x W1ᵀ, x W3ᵀ)`` for BLOCK_W intermediate columns
+     of the block's rows (gate and up share the activation loads; SiTU or SiLU fused), stored in x's dtype
+     to a scratch ``inter [T*k, I]``; then the block's ready counter is incremented (release);
+   - down tiles ``(row block m, D-tile d)``: wait until all gate/up tiles of block m are done (acquire),
+     then ``y = h W2ᵀ`` for BLOCK_W output columns over the whole I, times the routing weight, added with
+     fp32 atomics into ``out [T, D]`` (the k slots of a token meet there; the summation order varies).
+   A persistent grid of programs takes tiles in order from an atomic counter: every gate/up tile is handed
+   out before any down tile, so a waiting down tile only waits on tiles that running programs hold and
+   finish without waiting (no deadlock whatever the residency; under ``TRITON_INTERPRET=1`` the programs
+   run one after the other and never wait).
+3. A cast of ``out`` to x's dtype.
+
+Both GEMMs are computed transposed ("swap AB"): a tile is ``W_tile [BLOCK_W, K] @ actᵀ [K, BLOCK_M]``, so
+the dequantized weights are the MMA's left operand, which Hopper's ``wgmma`` reads from registers (weight
+rows fill its M = 64 even for one token; the tokens are its N) and the activations the right one.
+MXFP4 decode, per BLOCK_K chunk: the packed bytes [BLOCK_W, BLOCK_K/2] (kept by ``MXFP4Experts`` with each
+16-byte group 4x4-transposed, ``mxfp4.to_kernel_byte_order``, so each thread's MMA fragment is one aligned
+word) and their scale bytes are decoded to [BLOCK_W, BLOCK_K] in registers:
+- bf16 on CUDA with every scale byte in [2, 252] (any real checkpoint): inline PTX, byte-table ``prmt``
+  lookups and one ``bf16x2`` multiply, ~2.4 instructions per weight (``_dequant_bf16x2_asm``);
+- otherwise integer bit operations in Triton, exact under ``TRITON_INTERPRET=1`` too (byte 0 -> 2^-127,
+  0xFF -> NaN, as in the reference).
 Triton is imported lazily (this module is only imported on the Triton path).
 """
 
@@ -29,6 +45,8 @@ from longflash.layers.mxfp4 import MXFP4Experts
 
 _ACT_CODES = {"silu": 0, "situ": 1}
 
+
+# ---- decode helpers ------------------------------------------------------------------------------------
 
 @triton.jit
 def _e8m0_to_fp32(s):
@@ -63,41 +81,94 @@ def _small_scale_fp32(s):
 
 @triton.jit
 def _lo_nibble_small(q, sc):
-    """Low-nibble code of the int32 bytes q times sc = 2^(s-1): bits (mag << 22) | sign, then one multiply."""
+    """Low-nibble code of the int32 bytes q times sc = 2^(s-1): bits (mag << 22) | sign, then one multiply.
+
+    ``bits = (mag << 22) | sign`` is ``2^-126 * (e ? 2^(e-1)(1+m/2) : m/2)`` -- the E2M1 value times 2^-126,
+    a subnormal for e = 0 -- so one multiply by ``2^126 * scale`` gives the exact product. (Relies on IEEE
+    subnormals in ``mul.f32``; Triton emits no .ftz.)
+    """
     return (((q << 22) & 0x01C00000) | ((q << 28) & (-2147483648))).to(tl.float32, bitcast=True) * sc
 
 
 @triton.jit
 def _hi_nibble_small(q, sc):
+    """High-nibble code of the int32 bytes q times sc = 2^(s-1) (see ``_lo_nibble_small``)."""
     return (((q << 18) & 0x01C00000) | ((q << 24) & (-2147483648))).to(tl.float32, bitcast=True) * sc
 
 
-@triton.jit
-def _mxfp4_group_dot(acc, a_even, a_odd, w_ptrs, w_mask, s_ptrs, s_mask, DOT_PRECISION: tl.constexpr,
-                     SMALL_SCALES: tl.constexpr):
-    """acc += a[:, 32 columns] @ W[32 columns, :] for one MXFP4 group (16 packed bytes per column).
+# E2M1 magnitude (0..7) -> the high / low byte of its bf16 value {0, .5, 1, 1.5, 2, 3, 4, 6}, as the two
+# 4-byte halves of an 8-entry ``prmt`` table: 0x0000 0x3F00 0x3F80 0x3FC0 0x4000 0x4040 0x4080 0x40C0.
+# In: $4 four packed bytes, $5..$8 their scales as bf16x2 (s, s). Out: $0..$3 one bf16x2 per byte, (low
+# nibble, high nibble) times its scale.
+_BF16X2_E2M1_ASM = tl.constexpr("""
+{
+.reg .b32 m, mh, q4, h0, h1, l0, l1, g0, g1, neg0;
+and.b32 m, $4, 0x77777777;
+shr.u32 mh, m, 16;
+prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;
+prmt.b32 h1, 0x3F3F3F00, 0x40404040, mh;
+prmt.b32 l0, 0xC0800000, 0xC0804000, m;
+prmt.b32 l1, 0xC0800000, 0xC0804000, mh;
+shl.b32 q4, $4, 4;
+prmt.b32 g0, q4, $4, 0xD9C8;
+prmt.b32 g1, q4, $4, 0xFBEA;
+and.b32 g0, g0, 0x80808080;
+and.b32 g1, g1, 0x80808080;
+or.b32 h0, h0, g0;
+or.b32 h1, h1, g1;
+prmt.b32 $0, l0, h0, 0x5140;
+prmt.b32 $1, l0, h0, 0x7362;
+prmt.b32 $2, l1, h1, 0x5140;
+prmt.b32 $3, l1, h1, 0x7362;
+mov.b32 neg0, 0x80008000;
+fma.rn.bf16x2 $0, $0, $5, neg0;
+fma.rn.bf16x2 $1, $1, $6, neg0;
+fma.rn.bf16x2 $2, $2, $7, neg0;
+fma.rn.bf16x2 $3, $3, $8, neg0;
+}
+""")
 
-    a_even/a_odd [BM, 16]: the even/odd input columns; w_ptrs [16, BN] packed bytes; s_ptrs [1, BN] the
-    group's scale bytes (decoded once per column).
-    SMALL_SCALES (every scale byte <= 128, checked by the caller): the code's bits go straight into an
-    fp32 exponent/mantissa, ``bits = (mag << 22) | sign`` -- i.e. ``2^-126 * (e ? 2^(e-1)(1+m/2) : m/2)``,
-    a subnormal for e = 0 -- and one multiply by ``2^126 * scale = 2^(s-1)`` (a normal fp32 for s <= 128)
-    gives the exact value: ~5 ops per code. (Relies on IEEE subnormals in ``mul.f32``; Triton emits no .ftz.)
-    Otherwise the general decode (any byte, 0xFF = NaN) costs ~10.
+
+@triton.jit
+def _dequant_bf16x2_asm(q, sc2):
+    """uint8 packed bytes q, int32 scale pairs sc2 (bf16x2 bits (s, s), same shape) -> int32 bf16x2 per byte:
+    (low-nibble weight, high-nibble weight), i.e. input columns 2j and 2j+1 side by side as the MMA wants them.
+
+    PTX, 4 bytes per call: the magnitudes index two ``prmt`` byte tables (high and low byte of the bf16
+    value), the sign bytes come from ``prmt``'s sign-replicate mode, one more ``prmt`` per output register
+    puts the bytes in place, one ``fma.rn.bf16x2`` applies the scale (+ -0.0, so that +0 stays +0):
+    ~2.4 instructions per weight. Exact when every product is a normal bf16 (the caller checks
+    2 <= scale byte <= 252). CUDA only (the interpreter has no inline asm).
     """
-    q = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-    s = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
-    dt = a_even.dtype
-    if SMALL_SCALES:
-        sc = _small_scale_fp32(s)
-        w_lo = _lo_nibble_small(q, sc)
-        w_hi = _hi_nibble_small(q, sc)
+    return tl.inline_asm_elementwise(_BF16X2_E2M1_ASM, "=r,=r,=r,=r,r,r,r,r,r", [q, sc2], dtype=tl.int32,
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _dequant_pairs(q, s, dt: tl.constexpr, DECODE: tl.constexpr):
+    """Packed bytes q (uint8, any shape) and their scale bytes s (int32, broadcastable) -> weights in ``dt``
+    with a new last dimension of 2: [..., 0] the low nibble (input column 2j), [..., 1] the high one (2j+1).
+
+    DECODE 0: any scale byte (0 -> 2^-127, 0xFF -> NaN), ~10 integer ops per weight.
+    DECODE 1 (every scale byte <= 128, checked by the caller): ~5 integer ops and one multiply per weight
+    (``_lo_nibble_small``). DECODE 2 (bf16, 2 <= every scale byte <= 252, CUDA): ``_dequant_bf16x2_asm``.
+    """
+    if DECODE == 2:
+        pairs = _dequant_bf16x2_asm(q, tl.broadcast_to((s << 7) | (s << 23), q.shape))
+        # the two halves of each int32 are put back side by side: a no-op in registers
+        lo = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        sc = _e8m0_to_fp32(s)
-        w_lo = _e2m1_to_fp32(q & 7, (q & 0x08) << 28) * sc           # low nibble: element 2k
-        w_hi = _e2m1_to_fp32((q >> 4) & 7, (q & 0x80) << 24) * sc    # high nibble: element 2k+1
-    acc = tl.dot(a_even, w_lo.to(dt), acc, input_precision=DOT_PRECISION)
-    return tl.dot(a_odd, w_hi.to(dt), acc, input_precision=DOT_PRECISION)
+        q = q.to(tl.int32)
+        if DECODE == 1:
+            sc = _small_scale_fp32(s)
+            lo = _lo_nibble_small(q, sc)
+            hi = _hi_nibble_small(q, sc)
+        else:
+            sc = _e8m0_to_fp32(s)
+            lo = _e2m1_to_fp32(q & 7, (q & 0x08) << 28) * sc
+            hi = _e2m1_to_fp32((q >> 4) & 7, (q & 0x80) << 24) * sc
+    return tl.join(lo.to(dt), hi.to(dt))
 
 
 @triton.jit
@@ -112,99 +183,214 @@ def _tanh(x):
     return tl.where(ax < 0.25, series, big)
 
 
+# ---- one weight-tile x activation-tile product -----------------------------------------------------------
+
 @triton.jit
-def _mxfp4_moe_gemm_kernel(
-    a_ptr, wq_ptr, ws_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-    num_rows, a_row_div, N,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    beta, linear_beta,
-    K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, SMALL_SCALES: tl.constexpr,
-):
-    """out[r, n] = f(sum_k A[r // a_row_div, k] * W[e, n, k]) for the rows r of this block's expert e.
+def _load_scales(s_row_ptrs, w_ok, kc, K: tl.constexpr, NG: tl.constexpr):
+    """The scale bytes [BW, NG] (int32) of groups kc/32 .. kc/32 + NG - 1; masked ones read 127.
 
-    K (the reduction width, a multiple of 32) is a compile-time constant: one compile per layer shape
-    (also, a runtime loop bound fails in the Triton 3.6 interpreter with NumPy 2).
-
-    GATED: W rows n (gate) and n + N (up) both, out = act(gate, up). MUL_ROUTED_WEIGHT: out *= topk_w[r].
+    NOTE: a few bytes per row -- too narrow for ``cp.async``, so Triton leaves these loads synchronous;
+    the caller issues them one chunk ahead. (Loading 4 groups as one int32 makes them asynchronous but
+    then Triton decodes in a blocked layout and moves every weight through shared memory: slower.)
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < 0:
-        return
-    e64 = e.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
-    row_ok = rows < num_rows
-    a_rows = rows // a_row_div
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    dt = a_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_base = wq_ptr + e64 * stride_we + offs_n[None, :] * stride_wn      # [1, BN]
-    a_base = a_ptr + a_rows[:, None] * stride_am                        # [BM, 1]
-    if DOT_SCALED:
-        # tl.dot_scaled (GPU only; the interpreter lacks it): Triton upcasts the e2m1 tile itself.
-        # NOTE: its E8M0 decode maps byte 0 to 0, not 2^-127 (weights below 6 * 2^-127 either way).
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_j = tl.arange(0, BLOCK_K // 2)
-        offs_g = tl.arange(0, BLOCK_K // 32)
-        s_base_t = ws_ptr + e64 * stride_se + offs_n[:, None] * stride_sn   # [BN, 1]
-        for k0 in range(0, K, BLOCK_K):
-            a = tl.load(a_base + k0 + offs_k[None, :], mask=row_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-            kj = k0 // 2 + offs_j
-            w_mask = (2 * kj < K)[:, None] & n_ok[None, :]
-            sg = k0 // 32 + offs_g
-            s_mask = n_ok[:, None] & (32 * sg < K)[None, :]
-            q = tl.load(w_base + kj[:, None], mask=w_mask, other=0)
-            sc = tl.load(s_base_t + sg[None, :], mask=s_mask, other=127)
-            acc = tl.dot_scaled(a, None, A_FORMAT, q, sc, "e2m1", acc)
-            if GATED:
-                q = tl.load(w_base + N * stride_wn + kj[:, None], mask=w_mask, other=0)
-                sc = tl.load(s_base_t + N * stride_sn + sg[None, :], mask=s_mask, other=127)
-                acc_up = tl.dot_scaled(a, None, A_FORMAT, q, sc, "e2m1", acc_up)
-    else:
-        offs_j = tl.arange(0, 16)  # the 16 packed bytes of one 32-column group
-        s_base = ws_ptr + e64 * stride_se + offs_n[None, :] * stride_sn     # [1, BN]
-        for k0 in range(0, K, BLOCK_K):
-            for g in tl.static_range(BLOCK_K // 32):
-                kg = k0 + 32 * g
-                kj = kg // 2 + offs_j
-                k_ok = kg < K
-                a_mask = row_ok[:, None] & k_ok
-                a_even = tl.load(a_base + 2 * kj[None, :], mask=a_mask, other=0.0)
-                a_odd = tl.load(a_base + 2 * kj[None, :] + 1, mask=a_mask, other=0.0)
-                w_mask = n_ok[None, :] & k_ok
-                s_mask = n_ok[None, :] & k_ok
-                acc = _mxfp4_group_dot(acc, a_even, a_odd, w_base + kj[:, None], w_mask, s_base + kg // 32, s_mask,
-                                       DOT_PRECISION, SMALL_SCALES)
-                if GATED:
-                    acc_up = _mxfp4_group_dot(acc_up, a_even, a_odd, w_base + N * stride_wn + kj[:, None], w_mask,
-                                              s_base + N * stride_sn + kg // 32, s_mask, DOT_PRECISION, SMALL_SCALES)
+    offs_g = kc // 32 + tl.arange(0, NG)
+    sc = tl.load(s_row_ptrs + offs_g[None, :], mask=w_ok & ((offs_g * 32) < K)[None, :], other=127)
+    return sc.to(tl.int32)
+
+
+@triton.jit
+def _load_dequant(q_row_ptrs, sc, w_ok, kc, K: tl.constexpr, dt: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DECODE: tl.constexpr):
+    """Weight columns kc .. kc + BLOCK_K - 1 of BW rows as a [BW, BLOCK_K] tile in ``dt``.
+
+    q_row_ptrs [BW, 1]: each row's packed bytes; sc [BW, BLOCK_K / 32] int32: the chunk's scale bytes
+    (``_load_scales``); w_ok [BW, 1]: valid rows; masked weights are 0. The packed bytes are stored in ``MXFP4Experts``' kernel order (``KERNEL_BYTE_ORDER``:
+    the 16 bytes of a group as a transposed 4x4) and put back in column order here -- a relabelling of
+    registers once Triton loads each thread's 4 bytes (the ones its MMA fragment needs) as one word.
+    """
+    NG: tl.constexpr = BLOCK_K // 32
+    BW: tl.constexpr = q_row_ptrs.shape[0]
+    offs_g = tl.arange(0, NG)
+    q_ptrs = q_row_ptrs[:, :, None] + (kc // 2 + offs_g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    q = tl.load(q_ptrs, mask=w_ok[:, :, None] & (((kc + 32 * offs_g) < K)[None, :, None]), other=0)
+    w = _dequant_pairs(q, sc[:, :, None], dt, DECODE)  # [BW, NG, 16 stored bytes, 2 nibbles]
+    # stored byte 4c + j of a group holds the group's byte c + 4j
+    w = tl.permute(tl.reshape(w, (BW, NG, 4, 4, 2)), (0, 1, 3, 2, 4))
+    return tl.reshape(w, (BW, BLOCK_K))
+
+
+@triton.jit
+def _wt_dot_act(acc, acc2, wq_row_ptrs, ws_row_ptrs, w_ok, second_q, second_s, a_col_ptrs, a_ok,
+                K: tl.constexpr, dt: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, A_CACHE: tl.constexpr):
+    """acc [BW, BM] += W [BW, K] @ Aᵀ [K, BM] over the whole K, W MXFP4-packed; when GATED also
+    acc2 += W' Aᵀ with W' the rows ``second_q`` / ``second_s`` bytes further on (the up projection).
+
+    wq_row_ptrs / ws_row_ptrs [BW, 1]: start of each weight row's packed / scale bytes; w_ok [BW, 1]: valid
+    rows. a_col_ptrs [1, BM]: start of each activation row; a_ok [1, BM]: valid rows. K (a multiple of 32)
+    is a compile-time constant (also: a runtime loop bound fails in the Triton 3.6 interpreter with
+    NumPy 2); the activations are masked along K only when K is not a multiple of BLOCK_K.
+    """
+    NG: tl.constexpr = BLOCK_K // 32
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_col_ptrs + offs_k[:, None]
+    # the scales are loaded one chunk ahead (too narrow for cp.async, so Triton leaves them synchronous)
+    sc_next = _load_scales(ws_row_ptrs, w_ok, 0, K, NG)
+    sc2_next = sc_next
     if GATED:
-        # The reference rounds gate/up to the activation dtype before the activation; so do we.
-        g = acc.to(dt).to(tl.float32)
-        u = acc_up.to(dt).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        if ACT == 1:  # SiTU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)
-            acc = beta * _tanh(g / beta) * sig * (linear_beta * _tanh(u / linear_beta))
-        else:  # SiLU gate: silu(g) * u
-            acc = g * sig * u
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0)
-        acc = acc.to(dt).to(tl.float32) * w[:, None].to(dt).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+        sc2_next = _load_scales(ws_row_ptrs + second_s, w_ok, 0, K, NG)
+    for kc in range(0, K, BLOCK_K):
+        sc = sc_next
+        sc2 = sc2_next
+        sc_next = _load_scales(ws_row_ptrs, w_ok & (kc + BLOCK_K < K), kc + BLOCK_K, K, NG)
+        if GATED:
+            sc2_next = _load_scales(ws_row_ptrs + second_s, w_ok & (kc + BLOCK_K < K), kc + BLOCK_K, K, NG)
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs + kc, mask=a_ok, other=0.0, cache_modifier=A_CACHE)
+        else:
+            a = tl.load(a_ptrs + kc, mask=a_ok & ((kc + offs_k[:, None]) < K), other=0.0, cache_modifier=A_CACHE)
+        w = _load_dequant(wq_row_ptrs, sc, w_ok, kc, K, dt, BLOCK_K, DECODE)
+        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w = _load_dequant(wq_row_ptrs + second_q, sc2, w_ok, kc, K, dt, BLOCK_K, DECODE)
+            acc2 = tl.dot(w, a, acc2, input_precision=DOT_PRECISION)
+    return acc, acc2
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _gate_up_tile(m, j, x_ptr, w13q_ptr, w13s_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr, ready_ptr,
+                  num_rows, top_k, stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_im,
+                  beta, linear_beta,
+                  D: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr):
+    """h[rows of block m, I-tile j] = act(x W1ᵀ, x W3ᵀ) -> inter; then ready[m] += 1 (release)."""
+    e = tl.load(block_expert_ptr + m).to(tl.int64)
+    rows = tl.load(sorted_ids_ptr + m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    toks = (rows // top_k).to(tl.int64)
+    offs_i = j * BLOCK_W + tl.arange(0, BLOCK_W)
+    i_ok = offs_i < I
+    dt = x_ptr.dtype.element_ty
+    acc_g = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
+    acc_g, acc_u = _wt_dot_act(acc_g, acc_u, w13q_ptr + e * stride_qe + offs_i[:, None].to(tl.int64) * stride_qn,
+                               w13s_ptr + e * stride_se + offs_i[:, None].to(tl.int64) * stride_sn, i_ok[:, None],
+                               I * stride_qn, I * stride_sn, x_ptr + toks[None, :] * stride_xm, row_ok[None, :],
+                               D, dt, True, BLOCK_K, DOT_PRECISION, DECODE, "")
+    # The reference rounds gate/up to the activation dtype before the activation; so do we.
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    if ACT == 1:  # SiTU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)
+        h = beta * _tanh(g / beta) * sig * (linear_beta * _tanh(u / linear_beta))
+    else:  # SiLU gate: silu(g) * u
+        h = g * sig * u
+    tl.store(inter_ptr + rows[None, :].to(tl.int64) * stride_im + offs_i[:, None], h.to(inter_ptr.dtype.element_ty),
+             mask=i_ok[:, None] & row_ok[None, :])
+    # every thread's stores, then one release increment (the cooperative-groups grid-sync pattern)
+    tl.debug_barrier()
+    tl.atomic_add(ready_ptr + m, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _down_tile(m, d, inter_ptr, w2q_ptr, w2s_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+               ready_ptr, num_rows, top_k, stride_im, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
+               D: tl.constexpr, I: tl.constexpr, N_I_TILES: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr):
+    """out[tokens of block m, D-tile d] += routing weight * (h W2ᵀ), once block m's h is complete."""
+    # wait for the N_I_TILES gate/up tiles of this block (all handed out before this tile, see the module doc)
+    while tl.atomic_add(ready_ptr + m, 0, sem="acquire", scope="gpu") < N_I_TILES:
+        pass
+    tl.debug_barrier()
+    e = tl.load(block_expert_ptr + m).to(tl.int64)
+    rows = tl.load(sorted_ids_ptr + m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    toks = (rows // top_k).to(tl.int64)
+    offs_d = d * BLOCK_W + tl.arange(0, BLOCK_W)
+    d_ok = offs_d < D
+    dt = inter_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
+    # inter is read through L2 (.cg): other SMs wrote it during this launch
+    acc, _ = _wt_dot_act(acc, acc, w2q_ptr + e * stride_qe + offs_d[:, None].to(tl.int64) * stride_qn,
+                           w2s_ptr + e * stride_se + offs_d[:, None].to(tl.int64) * stride_sn, d_ok[:, None], 0, 0,
+                           inter_ptr + rows[None, :].to(tl.int64) * stride_im, row_ok[None, :],
+                           I, dt, False, BLOCK_K, DOT_PRECISION, DECODE, ".cg")
+    w = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0)
+    # the reference's rounding: y in the activation dtype, times the weight in that dtype
+    y = (acc.to(dt).to(tl.float32) * w[None, :].to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.atomic_add(out_ptr + toks[None, :] * stride_om + offs_d[:, None], y, mask=d_ok[:, None] & row_ok[None, :],
+                  sem="relaxed")
+
+
+@triton.jit
+def _mxfp4_moe_kernel(
+    x_ptr, w13q_ptr, w13s_ptr, w2q_ptr, w2s_ptr, inter_ptr, out_ptr,
+    sorted_ids_ptr, block_expert_ptr, topk_w_ptr, sched_ptr,
+    num_rows, top_k,
+    stride_xm, stride_13qe, stride_13qn, stride_13se, stride_13sn,
+    stride_2qe, stride_2qn, stride_2se, stride_2sn, stride_im, stride_om,
+    beta, linear_beta,
+    D: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DECODE13: tl.constexpr, DECODE2: tl.constexpr,
+):
+    """The whole routed-expert layer (see the module docstring). sched_ptr int32: [0] the tile counter,
+    [1] the number of row blocks in use, [2 + m] the finished gate/up tiles of block m; zero except [1]."""
+    N_I_TILES: tl.constexpr = (I + BLOCK_W - 1) // BLOCK_W
+    N_D_TILES: tl.constexpr = (D + BLOCK_W - 1) // BLOCK_W
+    n_blocks = tl.load(sched_ptr + 1)
+    n_gate_up = n_blocks * N_I_TILES
+    n_tiles = n_gate_up + n_blocks * N_D_TILES
+    ready_ptr = sched_ptr + 2
+    t = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
+    while t < n_tiles:
+        if t < n_gate_up:
+            _gate_up_tile(t // N_I_TILES, t % N_I_TILES, x_ptr, w13q_ptr, w13s_ptr, inter_ptr, sorted_ids_ptr,
+                          block_expert_ptr, ready_ptr, num_rows, top_k, stride_xm, stride_13qe, stride_13qn,
+                          stride_13se, stride_13sn, stride_im, beta, linear_beta, D, I, ACT,
+                          BLOCK_M, BLOCK_W, BLOCK_K, DOT_PRECISION, DECODE13)
+        else:
+            td = t - n_gate_up
+            _down_tile(td // N_D_TILES, td % N_D_TILES, inter_ptr, w2q_ptr, w2s_ptr, out_ptr, sorted_ids_ptr,
+                       block_expert_ptr, topk_w_ptr, ready_ptr, num_rows, top_k, stride_im, stride_2qe,
+                       stride_2qn, stride_2se, stride_2sn, stride_om, D, I, N_I_TILES,
+                       BLOCK_M, BLOCK_W, BLOCK_K, DOT_PRECISION, DECODE2)
+        t = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
+
+
+# ---- host side -----------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_bf16_pairs_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    q = tl.load(q_ptr + offs, mask=ok, other=0)
+    s = tl.load(s_ptr + offs, mask=ok, other=127).to(tl.int32)
+    pairs = _dequant_bf16x2_asm(q, (s << 7) | (s << 23))
+    tl.store(lo_ptr + offs, pairs.to(tl.int16), mask=ok)
+    tl.store(hi_ptr + offs, (pairs >> 16).to(tl.int16), mask=ok)
+
+
+def decode_bf16_pairs_gpu(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's bf16 PTX decode on its own (CUDA): packed bytes q [N] uint8 and their scale bytes s [N]
+    uint8 in [2, 252] -> (low-nibble, high-nibble) weights [N] bf16. Reference: ``e2m1_table()[code] *
+    e8m0_to_float(s)`` rounded to bf16 (exact). Raises ValueError for other dtypes, shapes or devices."""
+    if q.dtype != torch.uint8 or s.dtype != torch.uint8 or q.shape != s.shape or q.dim() != 1 or not q.is_cuda:
+        raise ValueError("decode_bf16_pairs_gpu needs 1-D uint8 CUDA tensors of one length")
+    lo = torch.empty(q.shape, dtype=torch.int16, device=q.device)
+    hi = torch.empty_like(lo)
+    _decode_bf16_pairs_kernel[(triton.cdiv(q.numel(), 1024),)](q, s, lo, hi, q.numel(), BLOCK=1024)
+    return lo.view(torch.bfloat16), hi.view(torch.bfloat16)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the flattened (token, slot) rows by expert, padding each expert's rows to ``block_m``.
 
     topk_ids [T, k] int -> (sorted_ids [max_blocks * block_m] int32: flat row index t*k+slot, ``T*k`` for
-    padding; block_expert [max_blocks] int32: the expert of each row block, -1 for unused blocks).
+    padding; block_expert [max_blocks] int32: the expert of each row block, -1 for unused blocks;
+    num_blocks [1] int32: the blocks in use, which come first).
     ``max_blocks = T*k // block_m + min(T*k, E)`` bounds the padded count without a host sync.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -224,81 +410,105 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_end = pad_end // block_m
     block_expert = torch.searchsorted(block_end, blocks, right=True)
     block_expert = torch.where(blocks < block_end[-1], block_expert, -1).to(torch.int32)
-    return sorted_ids, block_expert
+    return sorted_ids, block_expert, block_end[-1:].to(torch.int32)
+
+
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_W", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm", "decode")
+DECODES = {"general": 0, "small": 1, "asm": 2}
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """Tile sizes by the mean number of rows per expert hit (decode: small BLOCK_M; prefill: 64)."""
+    """Tiles by the mean number of rows per expert hit: decode (<= 16) takes BLOCK_M 16, the MMA's smallest N;
+    prefill takes BLOCK_M 128 (the decode of each weight tile is shared by more tokens) and two warpgroups
+    on 128 weight rows. NOTE: BLOCK_W should be 64 x (num_warps / 4): the dequantized tile is the wgmma's
+    register operand, and warpgroups that split the tokens instead would each decode it.
+    Picked from ``benchmarks/mxfp4_moe.py`` sweeps (``benchmarks/NOTES.md``)."""
     rows = num_tokens * top_k
     per_expert = rows / max(1, min(rows, num_experts))
     if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, dot_scaled=False)
+        return dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2, decode="auto")
     if per_expert <= 48:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, dot_scaled=False)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, dot_scaled=False)
+        return dict(BLOCK_M=32, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2, decode="auto")
+    return dict(BLOCK_M=128, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=2, programs_per_sm=1, decode="auto")
+
+
+def choose_decode(experts: MXFP4Experts, which: str, dtype: torch.dtype, on_cuda: bool, want: str = "auto") -> int:
+    """The in-register decode for ``w13`` or ``w2``: ``asm`` (bf16 on CUDA, every scale byte in [2, 252], so
+    each weight is a normal bf16), else ``small`` (every byte <= 128), else ``general`` (any byte).
+    ``want`` forces one; raises ValueError when the forced one cannot give exact weights."""
+    lo, hi = experts.scale_byte_range(which)
+    ok = {"asm": on_cuda and dtype == torch.bfloat16 and 2 <= lo and hi <= 252, "small": hi <= 128, "general": True}
+    if want == "auto":
+        return DECODES[next(d for d in ("asm", "small", "general") if ok[d])]
+    if want not in DECODES:
+        raise ValueError(f"unknown decode {want!r}; known: auto, {', '.join(DECODES)}")
+    if not ok[want]:
+        raise ValueError(f"decode {want!r} is not exact here ({which} scale bytes {lo}..{hi}, {dtype}, "
+                         f"{'CUDA' if on_cuda else 'no CUDA'})")
+    return DECODES[want]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter runs the programs one after the other
 
 
 def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weights: torch.Tensor,
                              topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """Grouped W4A16 MoE: x [T, D] (bf16/fp16/fp32), topk_weights [T, k], topk_ids [T, k] -> [T, D] in x's dtype.
+    """Grouped W4A16 MoE in one launch: x [T, D] (bf16/fp16/fp32), topk_weights [T, k], topk_ids [T, k]
+    (int, in [0, E)) -> [T, D] in x's dtype.
 
-    ``config`` overrides the tile sizes of ``default_config`` (keys BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-    num_stages), may set ``general_decode=True`` (the any-scale-byte decode even when every byte is <= 128),
-    and may set ``dot_scaled=True``: let ``tl.dot_scaled`` upcast the weights instead of the
-    in-register decode (CUDA, bf16/fp16 activations only; not runnable under the interpreter, and it decodes
-    scale byte 0 as 0 instead of 2^-127). Raises ValueError for a shape that does not match ``experts``, an
-    unknown activation, or dot_scaled with fp32 activations.
+    ``config`` overrides ``default_config`` (keys in ``CONFIG_KEYS``): tile sizes BLOCK_M (token rows),
+    BLOCK_W (weight rows), BLOCK_K (input columns per step; all powers of two, >= 16, BLOCK_K >= 32);
+    num_warps, num_stages; programs_per_sm (the persistent grid is SMs x this); decode (auto, asm, small,
+    general: see ``choose_decode``). Raises ValueError for a shape that does not match ``experts``, an
+    unknown activation, an unknown config key, a bad tile size or a decode that is not exact here.
     """
-    T, D = x.shape
-    I, E = experts.intermediate_size, experts.num_experts
-    if D != experts.hidden_size:
-        raise ValueError(f"x has width {D}, the experts expect {experts.hidden_size}")
+    if x.dim() != 2 or x.shape[1] != experts.hidden_size:
+        raise ValueError(f"x has shape {list(x.shape)}, the experts expect [T, {experts.hidden_size}]")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must both "
+                         f"be [T={x.shape[0]}, k]")
     if experts.activation not in _ACT_CODES:
         raise ValueError(f"unsupported activation {experts.activation!r} in the MXFP4 MoE kernel")
+    bad = sorted(set(config or {}) - set(CONFIG_KEYS))
+    if bad:
+        raise ValueError(f"unknown MXFP4 MoE config keys {bad}; known: {list(CONFIG_KEYS)}")
+    T, D = x.shape
+    I, E = experts.intermediate_size, experts.num_experts
     if T == 0:
         return x.new_zeros(0, D)
     k = topk_ids.shape[1]
     cfg = dict(default_config(T, k, E), **(config or {}))
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if bk % 32:
-        raise ValueError(f"BLOCK_K must be a multiple of 32 (one MXFP4 scale group), got {bk}")
-    dot_scaled = bool(cfg.get("dot_scaled", False))
-    if dot_scaled and not cfg.get("allow_broken_dot_scaled", False):
-        # NOTE: measured on an H200 (benchmarks/results/gpu_tests.h200.log): the tl.dot_scaled variant
-        # gives rel. error 1.4-1.7 against the reference at Kimi-K3 shapes. Refused until fixed; the
-        # benchmark can still time it with allow_broken_dot_scaled=True.
-        raise ValueError("the tl.dot_scaled MXFP4 variant is disabled: it disagrees with the reference on the H200")
-    a_format = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype)
-    if dot_scaled and a_format is None:
-        raise ValueError(f"dot_scaled needs bf16 or fp16 activations, got {x.dtype}")
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    bm, bw, bk = cfg["BLOCK_M"], cfg["BLOCK_W"], cfg["BLOCK_K"]
+    for name, v, least in (("BLOCK_M", bm, 16), ("BLOCK_W", bw, 16), ("BLOCK_K", bk, 32)):
+        if v < least or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
+    on_cuda = x.is_cuda
+    dec13 = choose_decode(experts, "w13", x.dtype, on_cuda, cfg["decode"])
+    dec2 = choose_decode(experts, "w2", x.dtype, on_cuda, cfg["decode"])
     x = x.contiguous()
-    sorted_ids, block_expert = moe_align(topk_ids, E, bm)
+    sorted_ids, block_expert, num_blocks = moe_align(topk_ids, E, bm)
+    max_blocks = block_expert.numel()
     rows = T * k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     beta, lbeta = (experts.act_params + (4.0, 25.0))[:2] if experts.activation == "situ" else (1.0, 1.0)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    general = cfg.get("general_decode", False)  # force the any-scale decode (tests)
-    small13 = not general and experts.max_scale_byte("w13") <= 128
-    small2 = not general and experts.max_scale_byte("w2") <= 128
     inter = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-    w13, s13 = experts.w13_weight_packed, experts.w13_weight_scale
-    _mxfp4_moe_gemm_kernel[(block_expert.numel(), triton.cdiv(I, bn))](
-        x, w13, s13, inter, sorted_ids, block_expert, weights,
-        rows, k, I,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    sched = torch.zeros(2 + max_blocks, dtype=torch.int32, device=x.device)
+    sched[1:2] = num_blocks
+    n_tiles_max = max_blocks * (triton.cdiv(I, bw) + triton.cdiv(D, bw))
+    grid = (max(1, min(n_tiles_max, _num_sms(x.device) * cfg["programs_per_sm"])),)
+    w13q, w13s, w2q, w2s = (experts.w13_weight_packed, experts.w13_weight_scale,
+                            experts.w2_weight_packed, experts.w2_weight_scale)
+    _mxfp4_moe_kernel[grid](
+        x, w13q, w13s, w2q, w2s, inter, out, sorted_ids, block_expert, weights, sched,
+        rows, k,
+        x.stride(0), w13q.stride(0), w13q.stride(1), w13s.stride(0), w13s.stride(1),
+        w2q.stride(0), w2q.stride(1), w2s.stride(0), w2s.stride(1), inter.stride(0), out.stride(0),
         float(beta), float(lbeta),
-        K=D, GATED=True, ACT=_ACT_CODES[experts.activation], MUL_ROUTED_WEIGHT=False,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
-        DOT_SCALED=dot_scaled, A_FORMAT=a_format or "bf16", SMALL_SCALES=small13, **launch)
-    y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
-    w2, s2 = experts.w2_weight_packed, experts.w2_weight_scale
-    _mxfp4_moe_gemm_kernel[(block_expert.numel(), triton.cdiv(D, bn))](
-        inter, w2, s2, y, sorted_ids, block_expert, weights,
-        rows, 1, D,
-        inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        1.0, 1.0,
-        K=I, GATED=False, ACT=0, MUL_ROUTED_WEIGHT=True,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
-        DOT_SCALED=dot_scaled, A_FORMAT=a_format or "bf16", SMALL_SCALES=small2, **launch)
-    return y.view(T, k, D).float().sum(1).to(x.dtype)
+        D=D, I=I, ACT=_ACT_CODES[experts.activation], BLOCK_M=bm, BLOCK_W=bw, BLOCK_K=bk,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DECODE13=dec13, DECODE2=dec2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

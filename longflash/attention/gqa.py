@@ -58,6 +58,11 @@ class GQAAttention(nn.Module):
             self.calculate_kv_scales = False  # frozen from now on
         scale = self.k_scale if fp8 else None
         ops.reshape_and_cache(k, v, self.kv_cache[0], self.kv_cache[1], ctx.slot_mapping, scale, scale)
-        o = ops.paged_gqa_attention(q, self.kv_cache[0], self.kv_cache[1], ctx.block_table,
-                                    ctx.query_start_loc_cpu, ctx.seq_lens_cpu, self.scale, scale, scale)
+        if ctx.uniform_decode:  # device-tensor lengths with host bounds: no sync (CUDA graphs)
+            o = ops.paged_gqa_attention(q, self.kv_cache[0], self.kv_cache[1], ctx.block_table, ctx.query_start_loc,
+                                        ctx.seq_lens, self.scale, scale, scale, max_query_len=ctx.max_query_len,
+                                        max_seq_len=ctx.max_seq_len)
+        else:
+            o = ops.paged_gqa_attention(q, self.kv_cache[0], self.kv_cache[1], ctx.block_table,
+                                        ctx.query_start_loc_cpu, ctx.seq_lens_cpu, self.scale, scale, scale)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

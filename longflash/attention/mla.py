@@ -105,10 +105,13 @@ class MLAAttention(nn.Module):
         out = x.new_empty(T, self.num_heads, self.v_head_dim)
         w_uk, w_uv = self._w_uk_uv()
         qsl = ctx.query_start_loc_cpu
-        for b in range(ctx.num_reqs):
-            s, e = qsl[b], qsl[b + 1]
-            if ctx.is_decode[b] and e > s:
-                out[s:e] = self._decode(q_nope[s:e], q_pe[s:e], b, ctx, w_uk, w_uv)
+        if ctx.uniform_decode:  # one batched call over the device tensors: no host loop, no sync (CUDA graphs)
+            out = self._decode_uniform(q_nope, q_pe, ctx, w_uk, w_uv)
+        else:
+            for b in range(ctx.num_reqs):
+                s, e = qsl[b], qsl[b + 1]
+                if ctx.is_decode[b] and e > s:
+                    out[s:e] = self._decode(q_nope[s:e], q_pe[s:e], b, ctx, w_uk, w_uv)
         prefill_reqs = [b for b in range(ctx.num_reqs) if not ctx.is_decode[b] and qsl[b + 1] > qsl[b]]
         if prefill_reqs:
             self._prefill(q_nope, q_pe, kv_c, k_pe, prefill_reqs, ctx, out, kernels)
@@ -129,6 +132,17 @@ class MLAAttention(nn.Module):
         o_lat, _ = decode_op(self.kv_cache)(
             q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
             self.scale, self.kv_lora_rank, self._k_scale())
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def _decode_uniform(self, q_nope, q_pe, ctx, w_uk, w_uv) -> torch.Tensor:
+        """Absorbed attention of a uniform decode/verify step ([T, H, v_head_dim]): every request has
+        ``ctx.max_query_len`` queries; the decode op reads ``query_start_loc``/``seq_lens`` as device
+        tensors with the host bounds ``max_query_len``/``max_seq_len`` (no device -> host sync)."""
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        q_abs = torch.cat([q_lat, q_pe], dim=-1)
+        o_lat, _ = decode_op(self.kv_cache)(
+            q_abs, self.kv_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens, self.scale, self.kv_lora_rank,
+            self._k_scale(), max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def _prefill(self, q_nope, q_pe, kv_c, k_pe, reqs: list[int], ctx, out: torch.Tensor, kernels) -> None:
@@ -199,7 +213,8 @@ class MLAAttention(nn.Module):
 
 def decode_op(cache: torch.Tensor):
     """The absorbed MLA decode attention for ``cache``'s device: the Triton kernel
-    (``triton_mla_decode``) on a GPU, the PyTorch reference elsewhere (same signature)."""
+    (``triton_mla_decode``) on a GPU, the PyTorch reference elsewhere (same signature; both accept
+    device-tensor lengths with host bounds)."""
     if cache.is_cuda:
         from longflash.attention import triton_mla_decode
         return triton_mla_decode.mla_decode_attention

@@ -104,11 +104,22 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent_size, hidden_size, bias=False)
             self.routed_expert_norm = RMSNorm(latent_size, rms_norm_eps) if latent_norm else None
 
+    def stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' weights stacked (w13 [E, 2I, D], w2 [E, D, I]; ``moe_grouped``), made
+        once; the experts' own weights become views of them (no copy kept)."""
+        if getattr(self, "_stacked", None) is None:
+            from longflash.layers.moe_grouped import stack_expert_weights
+            self._stacked = stack_expert_weights(self.experts)
+        return self._stacked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         h = self.routed_expert_down_proj(x) if self.latent_size else x
         if self.grouped_experts:
             y = self.experts(h, topk_weights, topk_ids)
+        elif h.is_cuda:  # sync-free and capture-safe (CUDA graphs): grouped GEMM over stacked weights
+            from longflash.layers.moe_grouped_triton import grouped_experts_triton
+            y = grouped_experts_triton(h, *self.stack_experts(), topk_weights, topk_ids, self.experts[0].act_and_mul)
         else:
             y = run_experts(h, self.experts, topk_weights, topk_ids)
         if self.latent_size:

@@ -54,7 +54,7 @@ class StepInputs:
     def begin(self) -> None:
         """Wait until the previous step's copy has left the host buffer (it normally has: the step
         ended by reading its sampled tokens), so it may be overwritten."""
-        if self._copied is not None:
+        if self._copied is not None and not self._copied.query():
             self._copied.synchronize()
 
     def copy_to_device(self) -> None:

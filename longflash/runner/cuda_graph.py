@@ -1,0 +1,239 @@
+"""Uniform decode/verify steps on persistent inputs, replayed from CUDA graphs at bucketed batch sizes.
+
+A step is *uniform* when every scheduled request decodes: one pending token plus the same number L of
+speculative tokens (L = 0 for plain decode, the DFlash block for a verify). Such a step's forward reads
+only the persistent device inputs of :class:`StepInputs` and host-side bounds (the forward context's
+``uniform_decode``): the attention ops take device-tensor lengths, the cache writes skip slot -1
+without a mask, MoE dispatch is sync-free, so the forward never synchronizes the host and can be
+captured.
+
+Graphs (vLLM's scheme): one per (query length, batch bucket), buckets 1, 2, 4, 8, then multiples of
+16 up to ``max_num_seqs``; captured largest first into one shared memory pool (a smaller graph reuses
+the larger ones' freed intermediates). A batch of B requests replays the smallest bucket >= B with the
+rows past B padded (token 0, slot -1: no cache write, seq_len = query length over block 0); the pad
+rows' logits are ignored. Under a graph the decode op is bounded by the cache capacity
+(``max_seq_len`` = blocks per request * block size); eagerly (``--enforce-eager``, or a batch no
+bucket fits) the same uniform path runs unpadded with the step's own bounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from longflash.runner.context import ForwardContext, set_forward_context
+from longflash.runner.step_inputs import StepInputs
+
+logger = logging.getLogger("longflash")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch buckets: 1, 2, 4, 8, then multiples of 16, up to and including ``max_num_seqs``."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class GraphCapturer:
+    """One memory pool and warm-up stream shared by every graph of an engine (target and drafter)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+        self.num_graphs = 0
+
+    def capture(self, fn, warmup: int = 2):
+        """Run ``fn`` ``warmup`` times on a side stream (compiles Triton kernels, fills per-device
+        caches), then capture it. Returns (graph, fn's output at capture)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        self.num_graphs += 1
+        return graph, out
+
+
+def uniform_query_len(scheduled) -> int | None:
+    """1 + L when every scheduled request decodes its pending token plus the same number L of
+    speculative tokens; None otherwise (a prefill chunk, recomputation, or mixed L)."""
+    q = None
+    for s in scheduled:
+        seq = s.seq
+        if s.num_new_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return None
+        if q is None:
+            q = 1 + s.num_lookahead_tokens
+        elif 1 + s.num_lookahead_tokens != q:
+            return None
+    return q
+
+
+class DecodeGraphRunner:
+    """Runs uniform decode/verify steps of ``model`` from persistent inputs, through CUDA graphs when
+    ``capturer`` is given (CUDA only), eagerly otherwise (also on the CPU: the tests compare it with
+    the general step).
+
+    Args:
+        model: the CausalLM (its attention layers hold their caches).
+        block_size: tokens per cache block. max_model_len: tokens per request at most.
+        max_num_seqs: largest batch. query_lens: the query lengths to serve (1, and 1 + the number of
+            draft tokens with DFlash).
+        device: the model's device. capturer: the shared :class:`GraphCapturer`, or None (eager).
+    """
+
+    def __init__(self, model, block_size: int, max_model_len: int, max_num_seqs: int, query_lens: list[int],
+                 device: torch.device, capturer: GraphCapturer | None = None):
+        self.model = model
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.capacity = self.max_blocks * block_size
+        self.buckets = capture_sizes(max_num_seqs)
+        self.query_lens = sorted(set(query_lens))
+        self.device = device
+        self.capturer = capturer
+        max_b, max_t = self.buckets[-1], self.buckets[-1] * max(self.query_lens)
+        self.inputs = StepInputs({
+            "input_ids": (torch.int64, (max_t,)), "positions": (torch.int64, (max_t,)),
+            "slot_mapping": (torch.int64, (max_t,)), "query_start_loc": (torch.int32, (max_b + 1,)),
+            "seq_lens": (torch.int32, (max_b,)), "context_lens": (torch.int32, (max_b,)),
+            "block_table": (torch.int32, (max_b, self.max_blocks))}, device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.proposer = None
+        self.capture_time_s = 0.0
+        # Run eager steps exactly as a graph would (bucket padding, capacity bound): for tests.
+        self.pad_like_graph = False
+
+    # ---- eligibility ------------------------------------------------------------------------------
+    def query_len(self, sched) -> int | None:
+        """The step's query length if this runner serves it, else None (the general path runs)."""
+        q = uniform_query_len(sched.scheduled)
+        if q is None or q not in self.query_lens or len(sched.scheduled) > self.buckets[-1]:
+            return None
+        if any(len(s.seq.block_table) > self.max_blocks for s in sched.scheduled):
+            return None
+        return q
+
+    def _bucket(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    # ---- inputs -----------------------------------------------------------------------------------
+    def _fill(self, scheduled, q: int, rows: int) -> tuple[list[int], list[int]]:
+        """Write the step's inputs for ``rows`` requests (the real ones, then pad rows) into the host
+        buffer and copy them to the device. Returns the real requests' seq_lens and context_lens."""
+        inp = self.inputs
+        inp.begin()
+        h = inp.host
+        bs = self.block_size
+        B = len(scheduled)
+        seq_lens, ctx_lens = [], []
+        for i, s in enumerate(scheduled):
+            seq, start, L = s.seq, s.seq.num_computed_tokens, s.num_lookahead_tokens
+            t0 = i * q
+            h["input_ids"][t0] = seq.token_ids[start]
+            if L:
+                h["input_ids"][t0 + 1:t0 + q] = seq.spec_token_ids[:L]
+            bt = seq.block_table
+            for j in range(q):
+                p = start + j
+                h["positions"][t0 + j] = p
+                h["slot_mapping"][t0 + j] = bt[p // bs] * bs + p % bs
+            h["block_table"][i, :len(bt)] = bt
+            h["block_table"][i, len(bt):] = -1
+            seq_lens.append(start + q)
+            ctx_lens.append(start)
+        T, Tp = B * q, rows * q
+        h["seq_lens"][:B] = seq_lens
+        h["context_lens"][:B] = ctx_lens
+        if rows > B:  # pad rows: no cache write; q rows of block 0 to attend over
+            h["input_ids"][T:Tp] = 0
+            h["positions"][T:Tp] = list(range(q)) * (rows - B)
+            h["slot_mapping"][T:Tp] = -1
+            h["seq_lens"][B:rows] = q
+            h["context_lens"][B:rows] = 0
+            h["block_table"][B:rows] = 0
+        h["query_start_loc"][:rows + 1] = range(0, Tp + 1, q)
+        inp.copy_to_device()
+        return seq_lens, ctx_lens
+
+    def _context(self, rows: int, q: int, max_seq_len: int, seq_lens: list[int], ctx_lens: list[int]) -> ForwardContext:
+        d, T = self.inputs.dev, rows * q
+        return ForwardContext(
+            positions=d["positions"][:T], slot_mapping=d["slot_mapping"][:T],
+            query_start_loc=d["query_start_loc"][:rows + 1], seq_lens=d["seq_lens"][:rows],
+            context_lens=d["context_lens"][:rows], block_table=d["block_table"][:rows], is_decode=[True] * rows,
+            query_start_loc_cpu=list(range(0, T + 1, q)), seq_lens_cpu=seq_lens, context_lens_cpu=ctx_lens,
+            block_size=self.block_size, logits_indices=None, uniform_decode=True, max_query_len=q,
+            max_seq_len=max_seq_len)
+
+    def _forward(self, ctx: ForwardContext, proposer):
+        """logits [T, vocab] fp32 of every row, and the drafter's fc outputs [T, H] with a proposer."""
+        T = ctx.query_start_loc_cpu[-1]
+        input_ids = self.inputs.dev["input_ids"][:T]
+        aux = None
+        with set_forward_context(ctx):
+            if proposer is not None:
+                with proposer.capture(T) as holder:
+                    hidden = self.model(input_ids)
+                aux = holder.fc_out()
+            else:
+                hidden = self.model(input_ids)
+            logits = self.model.compute_logits(hidden)
+        return logits, aux
+
+    # ---- graphs -----------------------------------------------------------------------------------
+    def capture(self, proposer=None) -> None:
+        """Capture every (query length, bucket) graph, largest token count first, into the shared
+        pool. ``proposer``: the DFlash proposer whose fc outputs the forwards also produce."""
+        if self.capturer is None:
+            raise RuntimeError("CUDA graphs are off for this runner (no capturer)")
+        self.proposer = proposer
+        t0 = time.perf_counter()
+        keys = sorted(((q, b) for q in self.query_lens for b in self.buckets), key=lambda k: (-k[0] * k[1], -k[0]))
+        for q, b in keys:
+            self._fill([], q, b)
+            ctx = self._context(b, q, self.capacity, [q] * b, [0] * b)
+            graph, (logits, aux) = self.capturer.capture(lambda: self._forward(ctx, proposer))
+            self.graphs[(q, b)] = (graph, logits, aux)
+        torch.cuda.synchronize(self.device)
+        self.capture_time_s = time.perf_counter() - t0
+        logger.info("CUDA graphs: %d decode/verify graphs (query lengths %s, batch buckets %s) captured in %.2f s",
+                    len(keys), self.query_lens, self.buckets, self.capture_time_s)
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    # ---- a step -----------------------------------------------------------------------------------
+    def run(self, sched, q: int, proposer=None):
+        """Run a uniform step (``query_len(sched) == q``). Returns (logits [B*q, vocab] fp32, spans,
+        context, aux [B*q, H] or None), logits row = token row; spans as ``ModelRunner.prepare``."""
+        scheduled = sched.scheduled
+        B = len(scheduled)
+        graph = self.graphs.get((q, self._bucket(B))) if self.graphs else None
+        if graph is not None and proposer is not self.proposer:
+            graph = None  # captured for another proposer setting
+        padded = graph is not None or self.pad_like_graph
+        rows = self._bucket(B) if padded else B
+        seq_lens, ctx_lens = self._fill(scheduled, q, rows)
+        ctx = self._context(B, q, max(seq_lens), seq_lens, ctx_lens)
+        if graph is not None:
+            g, logits, aux = graph
+            g.replay()
+        elif padded:
+            pad = rows - B
+            logits, aux = self._forward(self._context(rows, q, self.capacity, seq_lens + [q] * pad,
+                                                      ctx_lens + [0] * pad), proposer)
+        else:
+            logits, aux = self._forward(ctx, proposer)
+        T = B * q
+        spans = []
+        for i, s in enumerate(scheduled):
+            done = s.num_lookahead_tokens or s.seq.num_computed_tokens + 1 == len(s.seq.token_ids)
+            spans.append((i * q, q if done else 0))
+        return logits[:T], spans, ctx, (aux[:T] if aux is not None else None)

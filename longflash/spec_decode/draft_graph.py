@@ -1,0 +1,115 @@
+"""The DFlash drafter's block forward on persistent inputs, replayed from CUDA graphs.
+
+The proposer always drafts whole blocks ``[pending, MASK x (B - 1)]`` (the drafter is trained on full
+blocks) and returns each request's first n drafts, so the block forward of R requests runs from the
+persistent inputs of a :class:`~longflash.runner.step_inputs.StepInputs` (block token ids,
+positions, context lengths, block table; one host -> device copy) through
+``DFlashDraftModel.forward_padded`` (no host sync), and ends with the argmax of the B - 1 draft slots
+on the device; the host reads the [R, B - 1] draft tokens once. Graphs: one per batch bucket
+(``cuda_graph.capture_sizes``), captured largest first into the engine's shared pool; pad rows have
+no context and their drafts are ignored. Batches larger than the largest bucket, or requests whose
+block table outgrows ``max_model_len``, take the proposer's general path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from longflash.runner.cuda_graph import GraphCapturer, capture_sizes
+from longflash.runner.step_inputs import StepInputs
+
+logger = logging.getLogger("longflash")
+
+
+class DraftGraphRunner:
+    """Args: the ``DFlashProposer``; cache ``block_size``; ``max_model_len``; ``max_num_seqs``; device;
+    ``capturer`` (None: eager, also on the CPU)."""
+
+    def __init__(self, proposer, block_size: int, max_model_len: int, max_num_seqs: int, device: torch.device,
+                 capturer: GraphCapturer | None = None):
+        self.proposer = proposer
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.capacity = self.max_blocks * block_size
+        self.num_drafts = proposer.block_size - 1  # draft slots of a block
+        self.buckets = capture_sizes(max_num_seqs)
+        self.capturer = capturer
+        bk, max_r = self.num_drafts + 1, self.buckets[-1]
+        self.inputs = StepInputs({
+            "input_ids": (torch.int64, (max_r * bk,)), "positions": (torch.int64, (max_r * bk,)),
+            "context_lens": (torch.int32, (max_r,)), "block_table": (torch.int32, (max_r, self.max_blocks))}, device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_time_s = 0.0
+        self.pad_like_graph = False  # eager runs padded to the bucket with the capacity bound (tests)
+
+    def _fill(self, requests, rows: int) -> int:
+        """Write the requests (then pad rows up to ``rows``) and copy; returns the largest context."""
+        inp = self.inputs
+        inp.begin()
+        h = inp.host
+        bk, mask = self.num_drafts + 1, self.proposer.mask_token_id
+        for i, (pending, s, _, table) in enumerate(requests):
+            t0 = i * bk
+            h["input_ids"][t0] = pending
+            h["input_ids"][t0 + 1:t0 + bk] = mask
+            h["positions"][t0:t0 + bk] = range(s, s + bk)
+            h["context_lens"][i] = s
+            h["block_table"][i, :len(table)] = table
+            h["block_table"][i, len(table):] = -1
+        R = len(requests)
+        if rows > R:  # pad rows: no context, the block attends to itself
+            h["input_ids"][R * bk:rows * bk] = mask
+            h["positions"][R * bk:rows * bk] = list(range(bk)) * (rows - R)
+            h["context_lens"][R:rows] = 0
+            h["block_table"][R:rows] = 0
+        inp.copy_to_device()
+        return max((r[1] for r in requests), default=0)
+
+    def _forward(self, rows: int, max_context_len: int) -> torch.Tensor:
+        """Draft tokens [rows, n] int64 (argmax of the target's LM head over draft slots 1..n)."""
+        p = self.proposer
+        bk, d = self.num_drafts + 1, self.inputs.dev
+        ids = d["input_ids"][:rows * bk]
+        embeds = p.drafter.embed_block(p.target.model.embed_tokens, ids).to(p.drafter.fc.weight.dtype)
+        hidden = p.drafter.forward_padded(embeds, d["positions"][:rows * bk], d["context_lens"][:rows],
+                                          d["block_table"][:rows], max_context_len)
+        slots = hidden.view(rows, bk, -1)[:, 1:].reshape(rows * self.num_drafts, -1)
+        logits = p.target.compute_logits(slots.to(p.target.lm_head.weight.dtype))
+        return torch.argmax(logits, dim=-1).view(rows, self.num_drafts)
+
+    def capture(self) -> None:
+        """Capture one graph per batch bucket, largest first, into the shared pool."""
+        if self.capturer is None:
+            raise RuntimeError("CUDA graphs are off for this drafter (no capturer)")
+        t0 = time.perf_counter()
+        for b in sorted(self.buckets, reverse=True):
+            self._fill([], b)
+            graph, best = self.capturer.capture(lambda: self._forward(b, self.capacity))
+            self.graphs[b] = (graph, best)
+        torch.cuda.synchronize(self.capturer.device)
+        self.capture_time_s = time.perf_counter() - t0
+        logger.info("CUDA graphs: %d DFlash drafter graphs (block of %d, batch buckets %s) captured in %.2f s",
+                    len(self.buckets), self.num_drafts + 1, self.buckets, self.capture_time_s)
+
+    def propose(self, requests) -> list[list[int]] | None:
+        """Drafts for ``DFlashProposer.propose`` requests (each its first n of the B - 1 slots), or
+        None when they exceed the largest bucket or a block table outgrows ``max_model_len``."""
+        R = len(requests)
+        if not R or R > self.buckets[-1] or any(n > self.num_drafts or len(t) > self.max_blocks
+                                                for _, _, n, t in requests):
+            return None
+        bucket = next(b for b in self.buckets if b >= R)
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            self._fill(requests, bucket)
+            graph[0].replay()
+            best = graph[1][:R]
+        elif self.pad_like_graph:
+            self._fill(requests, bucket)
+            best = self._forward(bucket, self.capacity)[:R]
+        else:
+            best = self._forward(R, self._fill(requests, R))
+        return [row[:n] for row, (_, _, n, _) in zip(best.tolist(), requests)]

@@ -1,72 +1,119 @@
-"""``longflash bench``: offline latency/throughput benchmarks with vLLM-style reports.
+"""``longflash bench latency|throughput|serve``: benchmarks with ``vllm bench serve``'s report.
 
-``longflash bench latency [--model PATH] --batch-size 1 8 --input-len 64 --output-len 64`` measures,
-per batch size, time to first token, time per output token and output tokens/s of decode (greedy,
-ignore_eos), and with ``--compare-spec`` the same run with speculative decoding off and on (ratio
-in the same process). ``longflash bench throughput`` runs N requests at once and reports requests/s
-and tokens/s. Prompts are held-out code/prose windows of the default model's data when available,
-else deterministic random token ids.
+``latency``: per batch size (``--batch-size 1 8``), one batch of requests of ``--input-len`` prompt
+tokens and ``--output-len`` output tokens (greedy, ignore_eos) run offline through the engine; with
+``--compare-spec`` the same run with speculative decoding off and on and the ratio of output tok/s
+(same process). ``throughput``: ``--num-prompts`` requests at once. ``serve``: an OpenAI server
+(started as a subprocess unless ``--base-url`` is given) and concurrent streaming clients
+(``bench_serve.py``). Every report has TTFT, TPOT, ITL, E2EL (mean/median/p99), request and token
+throughput, the acceptance rate and length of speculative decoding, and the decode steps' bytes,
+achieved GB/s and fraction of the copy-bandwidth roofline (``bench_roofline.py``; peak measured on the
+device or given with ``--peak-bandwidth-gbs``). Prompts are held-out code/prose windows of the
+default model's data when available, else deterministic random token ids.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import statistics
 import time
 
+from longflash.bench_report import RequestTiming, format_report, summarize
 from longflash.entrypoints.args import add_engine_args, engine_config_from_args
 
 
-def _prompts(engine, n: int, input_len: int, kind: str, seed: int) -> list[dict]:
+def make_prompts(tokenizer, vocab_size: int, max_model_len: int, n: int, input_len: int, kind: str,
+                 seed: int) -> list[dict]:
     """n prompts of exactly ``input_len`` tokens: windows of the held-out texts joined into one token
     stream (random token ids when there is no tokenizer or kind is ``random``).
 
     Raises ValueError when input_len leaves no room for output within max_model_len.
     """
-    if input_len < 1 or input_len >= engine.max_model_len:
-        raise ValueError(f"--input-len must be in [1, {engine.max_model_len - 1}] (max_model_len), got {input_len}")
+    if input_len < 1 or input_len >= max_model_len:
+        raise ValueError(f"--input-len must be in [1, {max_model_len - 1}] (max_model_len), got {input_len}")
     rng = random.Random(seed)
-    tok = engine.tokenizer
-    if tok is not None and kind in ("code", "prose"):
+    if tokenizer is not None and kind in ("code", "prose"):
         from longflash.bench_prompts import held_out_texts
         stream: list[int] = []
         for text in held_out_texts(kind):
-            stream += tok.encode(text, add_special_tokens=False)
+            stream += tokenizer.encode(text, add_special_tokens=False)
         while len(stream) <= input_len:
             stream = stream + stream
         return [{"prompt_token_ids": stream[s:s + input_len]}
                 for s in (rng.randrange(len(stream) - input_len) for _ in range(n))]
-    vocab = engine.vocab_size
-    return [{"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(input_len)]} for _ in range(n)]
+    return [{"prompt_token_ids": [rng.randrange(4, vocab_size) for _ in range(input_len)]} for _ in range(n)]
 
 
-def _run_batch(engine, prompts, output_len: int) -> dict:
+def _prompts(engine, n: int, input_len: int, kind: str, seed: int) -> list[dict]:
+    return make_prompts(engine.tokenizer, engine.vocab_size, engine.max_model_len, n, input_len, kind, seed)
+
+
+def _spec_counters(engine) -> dict:
+    st = engine.stats
+    return {"num_drafts": st.spec_num_drafts, "num_draft_tokens": st.spec_num_draft_tokens,
+            "num_accepted_tokens": st.spec_num_accepted_tokens}
+
+
+def _decode_step_bytes(engine, step_bytes) -> int | None:
+    """Bytes the next step must read when every running request decodes (None otherwise: a prefill
+    or mixed step is not a decode step)."""
+    sch = engine.scheduler
+    if sch.waiting or not sch.running:
+        return None
+    tokens = ctx = dreq = dctx = 0
+    for seq in sch.running:
+        if seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return None
+        L = engine._lookahead(seq) if engine.proposer is not None else 0
+        tokens += 1 + L
+        ctx += seq.num_computed_tokens + 1 + L
+        if L:
+            dreq, dctx = dreq + 1, dctx + seq.num_computed_tokens
+    return step_bytes.step(tokens, ctx, dreq, dctx)
+
+
+def run_offline(engine, prompts: list[dict], output_len: int, peak_gbs: float | None = None) -> dict:
+    """Run ``prompts`` (all sent at once) to ``output_len`` greedy tokens each; return ``summarize``'s
+    metrics (roofline over the decode-only steps when ``peak_gbs`` is given) plus the older keys
+    ``output_tok_s``, ``mean_ttft_ms``, ``mean_tpot_ms``, ``mean_acceptance_length``, ``steps``."""
+    from longflash.bench_roofline import StepBytes
     from longflash.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    step_bytes = StepBytes.of_engine(engine) if peak_gbs else None
+    spec0 = _spec_counters(engine)
+    n_failed0 = len(engine.failed_requests)
     t0 = time.perf_counter()
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    first, finals = {}, {}
-    step_times = []
+    timings = {}
+    for p in prompts:
+        rid = engine.add_request(None, p, params)
+        timings[rid] = RequestTiming(t0, prompt_tokens=len(p["prompt_token_ids"]))
+    roof = {"bytes": 0, "seconds": 0.0, "steps": 0, "peak_gbs": peak_gbs}
+    steps = 0
     while engine.has_unfinished_requests():
+        nbytes = _decode_step_bytes(engine, step_bytes) if step_bytes is not None else None
         ts = time.perf_counter()
         outs = engine.step()
-        step_times.append(time.perf_counter() - ts)
-        now = time.perf_counter()
+        te = time.perf_counter()
+        steps += 1
+        if nbytes is not None:
+            roof["bytes"] += nbytes
+            roof["seconds"] += te - ts
+            roof["steps"] += 1
         for o in outs:
-            first.setdefault(o.request_id, now)
-            if o.finished:
-                finals[o.request_id] = (now, o)
-    total = time.perf_counter() - t0
-    n_out = sum(len(finals[i][1].outputs[0].token_ids) for i in ids)
-    ttft = [first[i] - t0 for i in ids]
-    tpot = [(finals[i][0] - first[i]) / max(1, len(finals[i][1].outputs[0].token_ids) - 1) for i in ids]
-    acc = [finals[i][1].metrics.mean_acceptance_length for i in ids]
-    return {"requests": len(ids), "total_s": round(total, 4), "output_tokens": n_out,
-            "output_tok_s": round(n_out / total, 2), "mean_ttft_ms": round(1000 * statistics.mean(ttft), 2),
-            "mean_tpot_ms": round(1000 * statistics.mean(tpot), 3), "mean_acceptance_length": round(statistics.mean(acc), 3),
-            "steps": len(step_times)}
+            t, n = timings[o.request_id], len(o.outputs[0].token_ids)
+            if n > t.output_tokens:
+                t.chunk_times.append(te)
+                t.output_tokens = n
+    duration = time.perf_counter() - t0
+    for rid, err in engine.failed_requests[n_failed0:]:
+        if rid in timings:
+            timings[rid].ok, timings[rid].error = False, str(err)
+    spec1 = _spec_counters(engine)
+    spec = {k: spec1[k] - spec0[k] for k in spec0} if engine.proposer is not None else None
+    m = summarize(list(timings.values()), duration, spec, roof if peak_gbs else None)
+    m.update(output_tok_s=m["output_throughput"], mean_ttft_ms=m["mean_ttft_ms"], mean_tpot_ms=m["mean_tpot_ms"],
+             mean_acceptance_length=m.get("spec_decode_acceptance_length", 1.0), steps=steps)
+    return m
 
 
 def _check_counts(args) -> None:
@@ -75,28 +122,39 @@ def _check_counts(args) -> None:
         raise ValueError("--batch-size, --num-prompts and --output-len must be >= 1")
 
 
+def peak_bandwidth(args, device) -> float:
+    """``--peak-bandwidth-gbs`` if given, else the measured device copy bandwidth (GB/s)."""
+    if args.peak_bandwidth_gbs:
+        return float(args.peak_bandwidth_gbs)
+    from longflash.bench_roofline import measure_copy_bandwidth
+    return measure_copy_bandwidth(device)
+
+
 def cmd_latency(args) -> int:
     from longflash.engine.llm_engine import LLMEngine
     _check_counts(args)
     cfgs = [("spec_off", "off"), ("spec_on", None)] if args.compare_spec else [("run", args.speculative_config)]
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "runs": {}}
+    peak = None
     for name, sc in cfgs:
         args.speculative_config = sc
-        cfg = engine_config_from_args(args)
-        engine = LLMEngine(cfg)
+        engine = LLMEngine(engine_config_from_args(args))
+        peak = peak or peak_bandwidth(args, engine.device)
+        report["peak_bandwidth_gbs"] = peak
         report["kv_bytes_per_token"] = engine.kv_bytes_per_token
         for bsz in args.batch_size:
             prompts = _prompts(engine, bsz, args.input_len, args.prompt_kind, args.seed)
-            _run_batch(engine, prompts[:1], 4)  # warm-up
-            r = _run_batch(engine, prompts, args.output_len)
+            run_offline(engine, prompts[:1], 4)  # warm-up
+            r = run_offline(engine, prompts, args.output_len, peak)
             report["runs"].setdefault(str(bsz), {})[name] = r
-            print(f"[{name}] batch {bsz}: {r['output_tok_s']} output tok/s, TTFT {r['mean_ttft_ms']} ms, "
-                  f"TPOT {r['mean_tpot_ms']} ms, acceptance length {r['mean_acceptance_length']}", flush=True)
+            print(format_report(r, f"Latency Benchmark Result [{name}, batch {bsz}]"), flush=True)
+        engine.shutdown()
     if args.compare_spec:
         for bsz, runs in report["runs"].items():
-            ratio = runs["spec_on"]["output_tok_s"] / runs["spec_off"]["output_tok_s"]
+            ratio = runs["spec_on"]["output_throughput"] / runs["spec_off"]["output_throughput"]
             runs["speedup_spec_on_vs_off"] = round(ratio, 3)
-            print(f"batch {bsz}: DFlash speedup {ratio:.2f}x (same run)")
+            print(f"batch {bsz}: DFlash speedup {ratio:.2f}x (output tok/s, same run), acceptance length "
+                  f"{runs['spec_on']['mean_acceptance_length']:.2f}", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
@@ -107,29 +165,36 @@ def cmd_throughput(args) -> int:
     from longflash.engine.llm_engine import LLMEngine
     _check_counts(args)
     engine = LLMEngine(engine_config_from_args(args))
+    peak = peak_bandwidth(args, engine.device)
     prompts = _prompts(engine, args.num_prompts, args.input_len, args.prompt_kind, args.seed)
-    r = _run_batch(engine, prompts, args.output_len)
-    r["requests_per_s"] = round(r["requests"] / r["total_s"], 3)
-    print(json.dumps(r, indent=2))
+    run_offline(engine, prompts[:1], 4)  # warm-up
+    r = run_offline(engine, prompts, args.output_len, peak)
+    engine.shutdown()
+    print(format_report(r, "Throughput Benchmark Result"), flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(r, f, indent=2)
+            json.dump(dict(r, args={k: v for k, v in vars(args).items() if k != "func"}), f, indent=2)
     return 0
 
 
 def add_bench_parser(sub) -> None:
-    b = sub.add_parser("bench", help="latency / throughput benchmarks")
+    from longflash.bench_serve import add_serve_bench_args, cmd_serve
+    b = sub.add_parser("bench", help="latency / throughput / serving benchmarks (vLLM's report)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    for name, fn in (("latency", cmd_latency), ("throughput", cmd_throughput)):
+    for name, fn in (("latency", cmd_latency), ("throughput", cmd_throughput), ("serve", cmd_serve)):
         p = bsub.add_parser(name)
         add_engine_args(p)
         p.add_argument("--input-len", type=int, default=64)
         p.add_argument("--output-len", type=int, default=64)
         p.add_argument("--prompt-kind", choices=["code", "prose", "random"], default="code")
         p.add_argument("--output-json", default=None)
+        p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
+                       help="copy bandwidth of the roofline in GB/s (default: measured on the device)")
         if name == "latency":
             p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
             p.add_argument("--compare-spec", action="store_true", help="run with DFlash off and on, report the ratio")
         else:
             p.add_argument("--num-prompts", type=int, default=32)
+        if name == "serve":
+            add_serve_bench_args(p)
         p.set_defaults(func=fn)

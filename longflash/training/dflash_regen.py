@@ -56,13 +56,18 @@ def regenerate(target, prompts: np.ndarray, gen_len: int, batch: int, device: to
 
 @torch.no_grad()
 def capture_taps(target, tapper: AuxTapper, seqs: torch.Tensor, batch: int) -> torch.Tensor:
-    """The target's aux taps of every position: seqs [N, T] int64 -> [N, T, K·H] bf16 (on seqs' device)."""
-    feats = []
+    """The target's aux taps of every position: seqs [N, T] int64 -> [N, T, K·H] bf16 (on seqs' device),
+    written chunk by chunk into one preallocated tensor (no concatenation copy: tens of GiB on the GPU)."""
+    out = None
     for b0 in range(0, seqs.shape[0], batch):
         with tapper.capture() as taps:
             target.hidden_states(seqs[b0:b0 + batch])
-        feats.append(tapper.concat(taps).to(torch.bfloat16))
-    return torch.cat(feats)
+        f = tapper.concat(taps)
+        if out is None:
+            out = torch.empty(seqs.shape[0], seqs.shape[1], f.shape[-1], dtype=torch.bfloat16, device=seqs.device)
+        out[b0:b0 + batch] = f
+        del f, taps
+    return out
 
 
 def file_sha256(path: str) -> str:

@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--intermediate-size", type=int, default=1024)
     ap.add_argument("--target-layer-ids", default="1,5,9,13")
-    ap.add_argument("--num-seqs", type=int, default=60000, help="regenerated training rows (half code, half prose)")
+    ap.add_argument("--num-seqs", type=int, default=120000, help="regenerated training rows (half code, half prose)")
     ap.add_argument("--num-val-seqs", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=192)
@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
         return torch.from_numpy(a.astype(np.int64)).to(device)
 
     train_seqs = torch.cat([to_dev(arrays["code_train"]), to_dev(arrays["prose_train"])])
-    train_aux = capture_taps(target, tapper, train_seqs, 256)
+    train_aux = capture_taps(target, tapper, train_seqs, 512)
     val = {k: (to_dev(arrays[f"{k}_val"]),) for k in ("code", "prose")}
     val = {k: (s, capture_taps(target, tapper, s, 256)) for k, (s,) in val.items()}
     _sync(device)
@@ -198,7 +198,7 @@ def main(argv=None) -> dict:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     total = args.steps if args.steps > 0 else 10**9
     eval_reserve = 40.0 if device.type == "cuda" else 0.0  # monitoring evals, final eval, export
-    log_every = 10 if args.smoke else 200
+    log_every = 10 if args.smoke or args.steps == 0 else max(10, args.steps // 40)
     log_rows, step, t_cal = [], 0, None
     mon = {k: (s[:64], a[:64]) for k, (s, a) in val.items()}
     drafter.train()
@@ -212,7 +212,8 @@ def main(argv=None) -> dict:
             total = 30 + max(1, int((args.time_budget_s - eval_reserve - (time.time() - t0)) / per))
             log(f"step time {per * 1000:.1f} ms -> {total} steps")
             report["step_ms"] = round(per * 1000, 2)
-        warm = max(1, int(0.04 * (total if total < 10**9 else 1000)))
+            log_every = max(10, total // 40)  # 40 log lines, 8 of them with a held-out evaluation
+        warm = max(1, int(0.04 * (total if total < 10**9 else 10**4)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total if total < 10**9 else 10**4, args.lr, warm)
         rows = torch.randint(0, n_train, (args.batch,), device=device, generator=gen)

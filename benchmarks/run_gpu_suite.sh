@@ -19,7 +19,8 @@ run mla_decode 150 python3 benchmarks/mla_decode.py --out "$R"
 run mla_decode_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla_decode.py
 run mxfp8_staged 100 python3 benchmarks/mxfp8_staged.py --out "$R"
 run attn_res_harness 100 python3 benchmarks/attn_res_harness.py --out "$R"
-run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py
+run kda 160 python3 benchmarks/kda.py --out "$R"
+run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py tests/test_kda_chunked_triton.py
 run dflash_bench_code 70 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind code --kv-cache-memory 8GiB --output-json "$R/dflash_bench_code.json"
 run dflash_bench_prose 70 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind prose --kv-cache-memory 8GiB --output-json "$R/dflash_bench_prose.json"
 cp "$R"/device.txt "$OUT/" 2>/dev/null

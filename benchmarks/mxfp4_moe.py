@@ -242,7 +242,15 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / gemm['best']:6.1%} of bf16 GEMM)  "
                   f"rel err {run.get('rel_err', float('nan')):.2e}", flush=True)
         x = ref = None  # free before the next token count
+        _write(result, args.out, t_start)  # after every token count: a suite timeout loses nothing done
 
+
+    print(markdown(result))
+    return result
+
+
+def _write(result: dict, out: str, t_start: float) -> None:
+    """Best correct config per token count, wall time; DIR/mxfp4_moe.json and DIR/mxfp4_moe.md."""
     best = {}
     for r in result["runs"]:
         if "error" in r or r.get("rel_err", 0.0) > MAX_REL_ERR:
@@ -253,14 +261,11 @@ def main(argv: list[str] | None = None) -> dict:
                                "frac_copy_bandwidth": r["frac_copy_bandwidth"], "frac_bf16_gemm": r["frac_bf16_gemm"]}
                       for t, r in best.items()}
     result["wall_s"] = time.perf_counter() - t_start
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "mxfp4_moe.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "mxfp4_moe.json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "mxfp4_moe.md"), "w") as f:
+    with open(os.path.join(out, "mxfp4_moe.md"), "w") as f:
         f.write(markdown(result))
-    print(markdown(result))
-    return result
 
 
 def _tiles(t: dict) -> str:

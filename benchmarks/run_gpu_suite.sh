@@ -18,6 +18,7 @@ run kv_cache_ops 80 python3 benchmarks/kv_cache_ops.py --out "$R"
 run mla_decode 150 python3 benchmarks/mla_decode.py --out "$R"
 run mla_decode_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla_decode.py
 run mxfp8_staged 100 python3 benchmarks/mxfp8_staged.py --out "$R"
+run mxfp4_moe 120 python3 benchmarks/mxfp4_moe.py --out "$R"
 run attn_res_harness 100 python3 benchmarks/attn_res_harness.py --out "$R"
 run kda 160 python3 benchmarks/kda.py --out "$R"
 run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py tests/test_kda_chunked_triton.py

@@ -221,8 +221,9 @@ def test_gpu_bf16_ptx_decode_is_exact():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("T", [1, 64, 300])
 def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T):
-    """Lt 3584, Im 3072, top-16 (of 32 experts in memory, to keep the test small): bf16 activations with the
-    PTX decode and with the Triton one, fp32 activations; against the fp32 reference of the same inputs."""
+    """Lt 3584, Im 3072, top-16 (of 32 experts in memory, to keep the test small; 300 tokens take the prefill
+    tiles): bf16 activations with the PTX decode; at 64 tokens also the Triton decode and fp32 activations.
+    Against the fp32 reference of the same inputs."""
     from longflash.layers.mxfp4 import run_mxfp4_experts
     from longflash.layers.mxfp4_moe_triton import run_mxfp4_experts_triton
     E, D, I, k = 32, 3584, 3072, 16
@@ -230,11 +231,12 @@ def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T):
     w, ids = _routing(T, E, k, seed=T, device="cuda")
     x = (torch.randn(T, D, generator=torch.Generator().manual_seed(T)) * 0.05).to("cuda", torch.bfloat16)
     ref = run_mxfp4_experts(x.float(), ex, w, ids)  # fp32 reference of the same bf16 inputs
-    for decode in ("asm", "small"):
+    for decode in ("asm", "small") if T == 64 else ("asm",):
         got = run_mxfp4_experts_triton(x, ex, w, ids, {"decode": decode})
         assert torch.isfinite(got).all()
         assert _rel(got, ref) <= 2e-2, decode  # bf16 rounding of x·W and of the activation (fp32 accumulation)
-    assert _rel(run_mxfp4_experts_triton(x.float(), ex, w, ids), ref) <= 1e-4
+    if T == 64:
+        assert _rel(run_mxfp4_experts_triton(x.float(), ex, w, ids), ref) <= 1e-4
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--compile-sm90"]:

@@ -334,6 +334,73 @@ def test_triton_kernels_equal_reference(kernel_results):
     assert not bad, bad
 
 
+# ---------------------------------------------------------------------------- sm_90 compilation
+
+_SM90_SCRIPT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from longflash.attention import triton_ops as tk
+out = {}
+def build(kern, sig, consts, warps, key):
+    idx = kern.arg_names.index
+    sig = dict(sig, **{c: "constexpr" for c in consts})
+    ptrs_ints = [n for n, t in sig.items() if t.startswith("*") or n.startswith("stride")]
+    src = ASTSource(fn=kern, signature=sig, constexprs={(idx(n),): v for n, v in consts.items()},
+                    attrs={(idx(n),): [["tt.divisibility", 16]] for n in ptrs_ints})
+    try:
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        ptx = c.asm["ptx"]
+        out[key] = {"ok": bool(c.asm.get("cubin")), "shared": c.metadata.shared,
+                    "ld_v4": len(re.findall(r"ld\.global\S*\.v4", ptx)),
+                    "ld_v2": len(re.findall(r"ld\.global\S*\.v2", ptx)),
+                    "st_v4": len(re.findall(r"st\.global\S*\.v4", ptx)),
+                    "cvt_e4m3": len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx)),
+                    "div_rn": len(re.findall(r"div\.rn\.f32", ptx)), "fma": len(re.findall(r"fma\.rn\.f32", ptx)),
+                    "evict_first": ptx.count("evict_first"), "ftz": ptx.count(".ftz")}
+    except Exception as e:
+        out[key] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:1500]}"}
+wsig = dict(kvc_ptr="*bf16", kpe_ptr="*bf16", cache_ptr="*u8", slot_ptr="*i64", scale="fp32", nscale="fp32",
+            rcp="fp32", T="i32", stride_kvc="i32", stride_kpe="i32")
+for fp8, mode, bt, warps, ev in [(False, 0, 16, 4, ""), (True, 0, 8, 4, ""), (True, 1, 8, 4, ""), (True, 2, 8, 4, ""),
+                                  (True, 3, 8, 4, ""), (True, 3, 32, 8, "evict_first")]:
+    sig = dict(wsig, cache_ptr="*u8" if fp8 else "*bf16")
+    build(tk._write_kernel, sig, dict(R=512, P=64, BLOCK_R=512, BLOCK_P=64, FP8=fp8, SCALE_MODE=mode, HW_FP8=True,
+                                      BLOCK_T=bt, EVICT=ev), warps, f"write,fp8={fp8},mode={mode},bt={bt},ev={ev}")
+gsig = dict(cache_ptr="*u8", bt_ptr="*i32", cu_ptr="*i32", starts_ptr="*i32", t2s_ptr="*i32", out_ptr="*bf16",
+            scale="fp32", total="i32", stride_bt="i32", block_size="i32")
+for fp8, bt, warps in [(False, 16, 4), (True, 16, 4), (True, 4, 2)]:
+    sig = dict(gsig, cache_ptr="*u8" if fp8 else "*bf16")
+    build(tk._gather_kernel, sig, dict(W=576, C1=512, C2=64, FP8=fp8, HAS_SCALE=fp8, HAS_STARTS=True, HW_FP8=True,
+                                       BLOCK_T=bt, EVICT=""), warps, f"gather,fp8={fp8},bt={bt}")
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The GPU-only paths (hardware casts, FMA-corrected division) compile for sm_90 with Triton's
+    bundled ptxas: 16-byte loads, no shared-memory layout change, no div.rn in the FMA path, no FTZ."""
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
+        pytest.skip("Triton's bundled ptxas is not available")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    assert len(res) == 9 and all(v["ok"] for v in res.values()), res
+    for key, v in res.items():
+        assert v["shared"] == 0 and v["ftz"] == 0, (key, v)
+        assert v["ld_v4"] + v["ld_v2"] > 0 and v["st_v4"] > 0, (key, v)
+        if key.startswith("write,fp8=True"):
+            assert v["cvt_e4m3"] > 0, (key, v)
+        if "mode=3" in key:
+            assert v["div_rn"] == 0 and v["fma"] > 0, (key, v)
+        if "mode=2" in key:
+            assert v["div_rn"] > 0, (key, v)
+        assert (v["evict_first"] > 0) == ("evict_first" in key), (key, v)
+
+
 # ---------------------------------------------------------------------------- GPU: hardware paths
 
 _GPU_SCALES = [None, 1.0, 0.5, 2.0 ** -20, 0.05, 3.7, 1 / 200, 0.0123, 1.3 * 2.0 ** -59, 1.1 * 2.0 ** 61, 1e-30]

@@ -2,6 +2,7 @@
 ``KimiLinearForCausalLM`` (prefill logits, greedy, batching, chunked prefill, preemption); A_log layouts."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -125,14 +126,17 @@ def test_kimi_linear_prefill_logits_equal_hf(kimi_linear):
         assert _rel(llm.engine.score(p, chunk_size=5), want) <= 1e-4  # state carried across chunks
 
 
-def test_kimi_linear_greedy_batched_chunked_preempted_equal_hf(kimi_linear):
+def test_kimi_linear_greedy_batched_chunked_preempted_equal_hf(kimi_linear, caplog):
     path, hf = kimi_linear
     refs = [_hf_greedy(hf, p, 32) for p in PROMPTS]
     kw = dict(skip_tokenizer_init=True, dtype="float32", block_size=4)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    alone = LLM(path, num_gpu_blocks=128, **kw)
+    with caplog.at_level(logging.INFO, logger="longflash"):
+        alone = LLM(path, num_gpu_blocks=128, **kw)
     assert [alone.generate([p], GREEDY32)[0].outputs[0].token_ids for p in prompts] == refs
-    assert not alone.engine.block_manager.enable_prefix_caching  # turned off for hybrid models
+    # hybrid prefix-cache policy (issue 12): off, with exactly one log line saying why
+    assert not alone.engine.block_manager.enable_prefix_caching
+    assert sum("prefix caching disabled" in r.getMessage() for r in caplog.records) == 1
     # 3 KDA layers x (fp32 state 2 heads x 16 x 16 + fp32 conv state 3*32 channels x 3)
     assert alone.engine.startup_report()["recurrent_state_bytes_per_request"] == 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)
     from longflash.runner.state_pool import state_bytes_per_request

@@ -213,6 +213,9 @@ def main(argv=None) -> dict:
             log(f"step time {per * 1000:.1f} ms -> {total} steps")
             report["step_ms"] = round(per * 1000, 2)
             log_every = max(10, total // 40)  # 40 log lines, 8 of them with a held-out evaluation
+        if args.steps == 0 and step > 30 and step % 50 == 0 and time.time() - t0 > args.time_budget_s - eval_reserve:
+            log(f"time budget reached at step {step} of {total}: stopping early")  # evaluations ran long
+            break
         warm = max(1, int(0.04 * (total if total < 10**9 else 10**4)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total if total < 10**9 else 10**4, args.lr, warm)

@@ -1,0 +1,264 @@
+"""Benchmark 2: end-to-end decode of a DeepSeek-V3-architecture model with random weights.
+
+Usage: ``python3 benchmarks/e2e_decode.py --out DIR`` (one H200 call, ~3-4 minutes; ``--tiny`` or no
+GPU: a tiny config on the CPU, to check the script).
+
+1. Ceilings measured in the same run: device copy bandwidth (1 GiB, read + write) and the bf16 GEMM rate.
+2. A random-weights ``DeepseekV3ForCausalLM`` (HF transformers) is built on the device in bf16: 24 layers,
+   hidden 2048, 16 heads, DeepSeek-V3's MLA dims (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
+   qk_rope 64, v 128), 64 routed experts top-6 of intermediate 256 in 8 groups (top-4 groups), 2 shared
+   experts, first layer dense (intermediate 8192), vocab 129,280: 3.3B parameters. It is saved with
+   ``save_pretrained`` (safetensors) to a temporary directory.
+3. HF ``generate`` on those weights (greedy, static cache, each ``experts_implementation`` the
+   installed version offers: its best settings without torch.compile, whose compile time does not
+   fit the run) at batch 1 and 64: decode tok/s = batch x (N - 1) / (t(N new tokens) - t(1 new token)).
+4. longflash on the saved checkpoint (CUDA graphs on; and ``--enforce-eager`` for the graphs' gain):
+   the same prompts, ``--output-len`` tokens; decode tok/s over the decode-only steps, their bytes
+   (weights read for the step's tokens, routed experts by the expected number hit, + KV rows;
+   ``longflash.bench_roofline``) and the fraction of the copy-bandwidth roofline.
+Goals (issue #10): roofline fraction >= 0.75 at batch 1; >= 5x HF's decode tok/s.
+Writes ``e2e_decode.json`` and ``e2e_decode.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FULL = dict(vocab_size=129280, hidden_size=2048, intermediate_size=8192, moe_intermediate_size=256,
+            num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+            n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4, first_k_dense_replace=1,
+            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=4096, rope_theta=10000.0,
+            rope_interleave=True, initializer_range=0.02, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+TINY = dict(FULL, vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            max_position_embeddings=512, initializer_range=0.1)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def gemm_tflops(dev: torch.device) -> float:
+    """bf16 GEMM rate (TFLOP/s, median of 10) on random data; 8192^3 on a GPU, 512^3 fp32 on the CPU."""
+    n, dt = (8192, torch.bfloat16) if dev.type == "cuda" else (512, torch.float32)
+    a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
+    a @ b
+    times = []
+    for _ in range(10):
+        _sync(dev)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times) / 1e12
+
+
+def build_checkpoint(cfg: dict, dev: torch.device, dtype: torch.dtype, path: str, seed: int = 0):
+    """A random-weights HF DeepseekV3ForCausalLM on ``dev``, saved to ``path``; returns the model."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**cfg)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = DeepseekV3ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape, generator=g, device=dev) * 0.5)
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="4GB")
+    return model
+
+
+def hf_decode(model, prompts: torch.Tensor, new_tokens: int, dev: torch.device) -> dict:
+    """HF greedy generate with a static cache; decode tok/s from t(N) - t(1)."""
+    B = prompts.shape[0]
+    mask = torch.ones_like(prompts)
+
+    def gen(n: int):
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = model.generate(prompts, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             cache_implementation="static", pad_token_id=0)
+        _sync(dev)
+        return time.perf_counter() - t0, out
+
+    gen(2)  # warm-up (allocates the static cache, first-use kernels)
+    t1, _ = gen(1)
+    tn, out = gen(new_tokens)
+    step = (tn - t1) / (new_tokens - 1)
+    if step <= 0:
+        raise RuntimeError(f"t({new_tokens} tokens) {tn:.4f} s <= t(1 token) {t1:.4f} s: timing noise")
+    return {"batch": B, "decode_step_ms": 1e3 * step, "decode_tok_s": B / step, "prefill_plus_1_s": t1,
+            "first_tokens": out[:, prompts.shape[1]].tolist()[:4]}
+
+
+def hf_bench(model, prompts: dict[int, torch.Tensor], new_tokens: int, dev: torch.device) -> dict:
+    impls = ["default"]
+    if hasattr(model, "set_experts_implementation"):
+        impls = ["grouped_mm", "batched_mm", "eager"]
+    res = {}
+    for impl in impls:
+        try:
+            if impl != "default":
+                model.set_experts_implementation(impl)
+            res[impl] = {str(b): hf_decode(model, p, new_tokens, dev) for b, p in prompts.items()}
+        except Exception as e:  # noqa: BLE001 — an implementation this version lacks is recorded
+            res[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"HF {impl}: {json.dumps(res[impl])[:400]}", flush=True)
+    best = {}
+    for b in prompts:
+        runs = [(v[str(b)]["decode_tok_s"], k) for k, v in res.items() if "error" not in v]
+        if runs:
+            tok_s, impl = max(runs)
+            best[str(b)] = {"decode_tok_s": tok_s, "experts_implementation": impl}
+    return {"runs": res, "best": best}
+
+
+def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev: torch.device, peak_gbs: float,
+               max_model_len: int, enforce_eager: bool) -> dict:
+    from longflash.bench import run_offline
+    from longflash.bench_roofline import StepBytes
+    from longflash.config import EngineConfig
+    from longflash.engine.llm_engine import LLMEngine
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16" if dev.type == "cuda" else "float32",
+                                    device=dev.type, max_model_len=max_model_len, max_num_seqs=max(prompts),
+                                    max_num_batched_tokens=max(2048, max(prompts) * max_model_len // 2),
+                                    kv_cache_memory="8GiB" if dev.type == "cuda" else "256MiB",
+                                    skip_tokenizer_init=True, enforce_eager=enforce_eager, enable_prefix_caching=False))
+    out = {"engine_start_s": time.perf_counter() - t0,
+           "graph_capture_s": engine.runner.decode_runner.capture_time_s if engine.runner.decode_runner else 0.0}
+    sb = StepBytes.of_engine(engine)
+    out["weight_bytes_step_1_token"], out["weight_bytes_step_64_tokens"] = sb.weights(1), sb.weights(64)
+    out["kv_bytes_per_token"] = sb.kv_row
+    for b, p in prompts.items():
+        reqs = [{"prompt_token_ids": row} for row in p.tolist()]
+        run_offline(engine, reqs[:1], 4)  # warm-up
+        m = run_offline(engine, reqs, output_len, peak_gbs)
+        decode_tok_s = b * m["decode_steps"] / (m["decode_step_ms"] * m["decode_steps"] / 1e3)
+        out[str(b)] = {"batch": b, "decode_tok_s": decode_tok_s, "decode_step_ms": m["decode_step_ms"],
+                       "bytes_per_step": m["decode_bytes_per_step"], "achieved_gbs": m["achieved_bandwidth_gbs"],
+                       "roofline_fraction": m["bandwidth_roofline_fraction"], "output_tok_s": m["output_throughput"],
+                       "mean_ttft_ms": m["mean_ttft_ms"], "decode_steps": m["decode_steps"]}
+        print(f"longflash {'eager' if enforce_eager else 'graphs'} batch {b}: {json.dumps(out[str(b)])}", flush=True)
+    del engine
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true", help="tiny config (default when there is no GPU)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--hf-new-tokens", type=int, default=16)
+    ap.add_argument("--skip-eager", action="store_true", help="do not run longflash --enforce-eager")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    tiny = args.tiny or dev.type != "cuda"
+    if tiny:
+        args.batch = [min(b, 4) for b in args.batch]
+        args.input_len, args.output_len, args.hf_new_tokens = min(args.input_len, 16), min(args.output_len, 8), 4
+    cfg = TINY if tiny else FULL
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    t_start = time.perf_counter()
+    res = {"config": cfg, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "torch": torch.__version__, "args": vars(args)}
+    try:
+        res["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        import transformers
+        res["transformers"] = transformers.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    from longflash.bench_roofline import measure_copy_bandwidth
+    res["copy_gbs"] = measure_copy_bandwidth(dev)
+    res["gemm_tflops"] = gemm_tflops(dev)
+    print(f"copy {res['copy_gbs']:.0f} GB/s, GEMM {res['gemm_tflops']:.0f} TFLOP/s", flush=True)
+    tmp = tempfile.mkdtemp(prefix="e2e-dsv3-")
+    try:
+        t0 = time.perf_counter()
+        hf = build_checkpoint(cfg, dev, dtype, tmp)
+        res["params"] = sum(p.numel() for p in hf.parameters())
+        res["build_and_save_s"] = time.perf_counter() - t0
+        print(f"built and saved {res['params'] / 1e9:.2f}B parameters in {res['build_and_save_s']:.1f} s", flush=True)
+        rng = random.Random(0)
+        big = max(args.batch)
+        rows = [[rng.randrange(4, cfg["vocab_size"]) for _ in range(args.input_len)] for _ in range(big)]
+        prompts = {b: torch.tensor(rows[:b], device=dev) for b in args.batch}
+        res["hf"] = hf_bench(hf, prompts, args.hf_new_tokens, dev)
+        del hf
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        max_len = -(-(args.input_len + args.output_len + 8) // 64) * 64
+        res["longflash"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False)
+        if not args.skip_eager:
+            res["longflash_eager"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    res["total_s"] = time.perf_counter() - t_start
+    lines = [f"# E2E decode, DeepSeek-V3 architecture, random weights ({res.get('params', 0) / 1e9:.2f}B params, "
+             f"{res['device']})", "",
+             f"copy bandwidth {res['copy_gbs']:.0f} GB/s, bf16 GEMM {res['gemm_tflops']:.0f} TFLOP/s; "
+             f"commit {res.get('commit', '?')[:12]}; total {res['total_s']:.0f} s", "",
+             "| engine | batch | decode tok/s | step ms | MB/step | GB/s | roofline fraction | vs HF best |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key in ("longflash", "longflash_eager"):
+        for b in args.batch:
+            r = res.get(key, {}).get(str(b))
+            if not r:
+                continue
+            hf_best = res["hf"]["best"].get(str(b), {}).get("decode_tok_s")
+            r["speedup_vs_hf_best"] = r["decode_tok_s"] / hf_best if hf_best else None
+            lines.append(f"| {key} | {b} | {r['decode_tok_s']:.1f} | {r['decode_step_ms']:.3f} | "
+                         f"{r['bytes_per_step'] / 1e6:.0f} | {r['achieved_gbs']:.0f} | {r['roofline_fraction']:.3f} | "
+                         f"{r['speedup_vs_hf_best'] or float('nan'):.1f}x |")
+    for b in args.batch:
+        best = res["hf"]["best"].get(str(b))
+        if best:
+            lines.append(f"| HF generate (static cache, experts {best['experts_implementation']}) | {b} | "
+                         f"{best['decode_tok_s']:.1f} | {1e3 * b / best['decode_tok_s']:.3f} | | | | 1.0x |")
+    if "longflash_eager" in res:
+        for b in args.batch:
+            g, e = res["longflash"].get(str(b)), res["longflash_eager"].get(str(b))
+            if g and e:
+                lines.append(f"\nCUDA graphs vs eager at batch {b}: {g['decode_tok_s'] / e['decode_tok_s']:.2f}x")
+    lines.append("\nGoals: roofline fraction >= 0.75 at batch 1; >= 5x HF generate.")
+    md = "\n".join(lines)
+    with open(os.path.join(args.out, "e2e_decode.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    with open(os.path.join(args.out, "e2e_decode.md"), "w") as f:
+        f.write(md + "\n")
+    print(md, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -48,7 +48,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, help="directory for kda.json / kda.md")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through TRITON_INTERPRET=1")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--configs", default="64x8,32x4,32x8,128x8",
+    ap.add_argument("--configs", default="64x8,32x4,32x8,128x8,16x4",
                     help="chunked-kernel launch configs to time, block_v x num_warps (the first is the default)")
     ap.add_argument("--budget-s", type=float, default=135.0, help="skip optional parts past this many seconds")
     return ap.parse_args(argv)

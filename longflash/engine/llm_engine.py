@@ -154,6 +154,7 @@ class LLMEngine:
                                       config.calculate_kv_scales, config.context_workspace_rows, config.max_num_seqs)
         if self.proposer is not None:
             self.proposer.allocate(self.num_blocks, bs)
+        self._graphs_pending = self._setup_uniform_decode()
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampling_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.stats = EngineStats()
@@ -187,6 +188,58 @@ class LLMEngine:
                     sc["model"], proposer.block_size, self.num_speculative_tokens,
                     proposer.drafter.cfg.target_layer_ids, proposer.tapper.mode)
         return proposer
+
+    def _setup_uniform_decode(self) -> bool:
+        """On a GPU (one process, no KDA layers): :meth:`enable_uniform_decode`, with CUDA graphs
+        unless ``enforce_eager``. Returns True while graph capture is pending (fp8 KV scales are
+        calculated from the first forward and baked into the graphs)."""
+        if self.device.type != "cuda" or self.config.tensor_parallel_size > 1 or self.runner.state_pool is not None:
+            return False
+        return self.enable_uniform_decode(cuda_graphs=not self.config.enforce_eager)
+
+    def enable_uniform_decode(self, cuda_graphs: bool) -> bool:
+        """Run decode and verify steps in which every request has the same query length on persistent
+        inputs without host syncs (``runner/cuda_graph.py``), and the DFlash drafter's uniform block
+        forwards likewise (``spec_decode/draft_graph.py``); replay them from CUDA graphs when
+        ``cuda_graphs``. The GPU engine turns this on by itself; on the CPU (eager only) it is for
+        tests. Bf16 routed experts are stacked for the grouped MoE kernel. Returns True when graph
+        capture waits for the first forward (fp8 KV scales to calculate).
+
+        Raises ValueError for a multi-process engine or a model with KDA layers, and when CUDA graphs
+        are asked for off a GPU."""
+        if self.config.tensor_parallel_size > 1 or self.runner.state_pool is not None:
+            raise ValueError("uniform decode steps need a single-process engine without linear-attention (KDA) layers")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        if self.device.type == "cuda":
+            for m in self.model.modules():  # stack bf16 routed experts for the grouped (capture-safe) MoE kernel
+                if hasattr(m, "stack_experts") and not getattr(m, "grouped_experts", True):
+                    m.stack_experts()
+        capturer = None
+        if cuda_graphs:
+            from longflash.runner.cuda_graph import GraphCapturer
+            capturer = GraphCapturer(self.device)
+        query_lens = [1] + ([1 + self.num_speculative_tokens] if self.proposer is not None else [])
+        self.runner.enable_uniform_decode(self.max_model_len, self.config.max_num_seqs, query_lens, capturer)
+        if self.proposer is not None:
+            self.proposer.enable_uniform(self.config.block_size, self.max_model_len, self.config.max_num_seqs,
+                                         capturer)
+        if capturer is None:
+            return False
+        if self._kv_scales_pending():
+            logger.info("CUDA graphs: captured after the first forward (fp8 KV scales are calculated from it)")
+            return True
+        self._capture_graphs()
+        return False
+
+    def _kv_scales_pending(self) -> bool:
+        return any(getattr(m, "calculate_kv_scales", False) for m in self.model.attention_layers())
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        self.runner.decode_runner.capture(self.proposer)
+        if self.proposer is not None:
+            self.proposer.capture_graphs()
 
     def _kv_cache_dtype(self) -> torch.dtype:
         kvd = self.config.kv_cache_dtype
@@ -443,6 +496,9 @@ class LLMEngine:
             self.runner.free_state(seq.request_id)
         if not sched.scheduled:
             return []
+        if self._graphs_pending and not self._kv_scales_pending():
+            self._graphs_pending = False
+            self._capture_graphs()
         drafting = [s for s in sched.scheduled if s.num_lookahead_tokens]
         if drafting:
             drafts = self.proposer.propose([(s.seq.token_ids[-1], s.seq.num_computed_tokens, s.num_lookahead_tokens,
@@ -450,6 +506,10 @@ class LLMEngine:
             for s, d in zip(drafting, drafts):
                 s.seq.spec_token_ids = d
         res = self.runner.execute(sched, proposer=self.proposer)
+        # NOTE: the step's only device -> host sync on the decode path: every row's argmax at once
+        # (greedy requests), instead of one read per sampled token.
+        greedy = (res.logits.argmax(dim=-1).tolist()
+                  if any(s.seq.sampling_params.greedy for s in sched.scheduled) and res.logits.shape[0] else None)
         outputs = []
         now = time.time()
         for i, s in enumerate(sched.scheduled):
@@ -459,13 +519,12 @@ class LLMEngine:
             first_row, n_rows = res.spans[i]
             try:
                 tokens = self._sample_and_verify(seq, res.logits[first_row:first_row + n_rows],
-                                                 s.num_lookahead_tokens) if n_rows else []
+                                                 s.num_lookahead_tokens,
+                                                 greedy[first_row:first_row + n_rows] if greedy else None) if n_rows else []
                 # Rows whose KV is now valid: the scheduled tokens plus the accepted drafts.
                 committed = s.num_new_tokens + (len(tokens) - 1 if s.num_lookahead_tokens else 0)
                 if self.proposer is not None:
-                    q0 = res.ctx.query_start_loc_cpu[i]
-                    self.proposer.write_context(res.aux[q0:q0 + committed], res.ctx.positions[q0:q0 + committed],
-                                                res.ctx.slot_mapping[q0:q0 + committed])
+                    self.runner.write_draft_context(self.proposer, res, res.ctx.query_start_loc_cpu[i], committed)
                 decoding = seq.num_computed_tokens >= seq.num_prompt_tokens
                 seq.num_computed_tokens += committed
                 seq.spec_token_ids = []
@@ -490,20 +549,24 @@ class LLMEngine:
                 self.failed_requests.append((seq.request_id, e))
                 continue
             outputs.append(self._output(seq))
+        if self.proposer is not None:
+            self.runner.flush_draft_context(self.proposer, res)
         return outputs
 
-    def _sample_and_verify(self, seq: Sequence, logits: torch.Tensor, num_drafts: int) -> list[int]:
+    def _sample_and_verify(self, seq: Sequence, logits: torch.Tensor, num_drafts: int,
+                           greedy_ids: list[int] | None = None) -> list[int]:
         """Tokens to commit from logits [num_drafts + 1, vocab].
 
         Without drafts: one sampled token. With drafts d_1..d_L: the target's token at slot k is
         sampled (argmax when greedy) and compared with d_{k+1}; matching drafts are accepted and the
         first mismatch (or the bonus token after L acceptances) is committed too. Drafts are
         deterministic (argmax), so sample-and-compare is lossless (``shared/specs/dflash.md`` §4).
+        ``greedy_ids``: the rows' argmax, already read (used for greedy requests).
         """
         drafts = seq.spec_token_ids[:num_drafts]
         out = []
         for k in range(num_drafts + 1):
-            t = self._sample(seq, logits[k])
+            t = self._sample(seq, logits[k], greedy_ids[k] if greedy_ids is not None else None)
             out.append(t)
             if k == num_drafts or t != drafts[k]:
                 break
@@ -517,9 +580,12 @@ class LLMEngine:
                 st.spec_accepted_per_pos[k] = st.spec_accepted_per_pos.get(k, 0) + 1
         return out
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+    def _sample(self, seq: Sequence, logits: torch.Tensor, greedy_id: int | None = None) -> int:
         gen = seq.generator if seq.generator is not None else self.sampling_generator
-        token = sample_token(logits, seq.sampling_params, gen)
+        if greedy_id is not None and seq.sampling_params.greedy:
+            token = greedy_id  # = sample_token's argmax (first maximum), read for the whole step at once
+        else:
+            token = sample_token(logits, seq.sampling_params, gen)
         if seq.output_logprobs is not None:
             decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
             seq.output_logprobs.append(compute_logprobs(logits, token, seq.sampling_params.logprobs, decode))

@@ -11,6 +11,7 @@ from longflash.engine.scheduler import SchedulerOutput
 from longflash.models.base import CausalLM
 from longflash.runner.context import ForwardContext, set_forward_context
 from longflash.runner.state_pool import RecurrentStatePool
+from longflash.runner.step_inputs import to_device_async
 
 logger = logging.getLogger("longflash")
 
@@ -61,6 +62,20 @@ class ModelRunner:
         kda_layers = model.recurrent_state_layers()
         self.state_pool = (RecurrentStatePool(kda_layers, max_num_seqs + 1, next(model.parameters()).dtype, device)
                            if kda_layers else None)
+        self.decode_runner = None  # uniform decode/verify steps on persistent inputs (CUDA graphs)
+        self._draft_rows: list[tuple[int, int]] = []  # draft-context rows awaiting flush_draft_context
+
+    def enable_uniform_decode(self, max_model_len: int, max_num_seqs: int, query_lens: list[int],
+                              capturer=None) -> None:
+        """Run uniform decode/verify steps (``cuda_graph.uniform_query_len``) on persistent inputs,
+        replayed from CUDA graphs when ``capturer`` (a ``cuda_graph.GraphCapturer``) is given.
+        Raises ValueError for a model with recurrent (KDA) state, whose per-request state slots are
+        host lists."""
+        if self.state_pool is not None:
+            raise ValueError("uniform decode steps / CUDA graphs do not support linear-attention (KDA) layers")
+        from longflash.runner.cuda_graph import DecodeGraphRunner
+        self.decode_runner = DecodeGraphRunner(self.model, self.block_size, max_model_len, max_num_seqs, query_lens,
+                                               self.device, capturer)
 
     def free_state(self, request_id: str) -> None:
         """Return a request's recurrent-state slot (finished, aborted, preempted); no-op without one."""
@@ -106,29 +121,53 @@ class ModelRunner:
                 spans.append((len(logits_idx), 0))
         dev = self.device
         ctx = ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            block_table=table.to(dev),
+            positions=to_device_async(positions, torch.int64, dev),
+            slot_mapping=to_device_async(slots, torch.int64, dev),
+            query_start_loc=to_device_async(qsl, torch.int32, dev),
+            seq_lens=to_device_async(seq_lens, torch.int32, dev),
+            context_lens=to_device_async(ctx_lens, torch.int32, dev),
+            block_table=table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table.to(dev),
             is_decode=is_decode,
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx_lens,
             block_size=bs,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            logits_indices=to_device_async(logits_idx, torch.int64, dev),
         )
         if self.state_pool is not None:
             ctx.extras["state_slots"] = [self.state_pool.slot_for(s.seq.request_id) for s in sched.scheduled]
             ctx.extras["state_verify"] = [s.num_lookahead_tokens > 0 for s in sched.scheduled]
-        return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, spans
+        return to_device_async(input_ids, torch.int64, dev), ctx, spans
+
+    def write_draft_context(self, proposer, res: StepResult, first_row: int, num_rows: int) -> None:
+        """Write the draft-pool context K/V of rows ``[first_row, first_row + num_rows)`` of the
+        forward ``res`` (committed tokens of one request) from its ``aux`` (fc outputs). With uniform
+        decode enabled (the CUDA path) the rows are collected and written by one call in
+        :meth:`flush_draft_context` (one write instead of one per request)."""
+        if self.decode_runner is not None:
+            self._draft_rows.append((first_row, num_rows))
+            return
+        r = slice(first_row, first_row + num_rows)
+        proposer.write_context(res.aux[r], res.ctx.positions[r], res.ctx.slot_mapping[r])
+
+    def flush_draft_context(self, proposer, res: StepResult) -> None:
+        """Write the rows collected by :meth:`write_draft_context` for the forward ``res`` (no-op when
+        none were collected)."""
+        rows, self._draft_rows = getattr(self, "_draft_rows", []), []
+        idx = [r for first, n in rows for r in range(first, first + n)]
+        if idx:
+            i = to_device_async(idx, torch.int64, res.aux.device)
+            proposer.write_context(res.aux[i], res.ctx.positions[i], res.ctx.slot_mapping[i])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, all_logits: bool = False, tapper=None, proposer=None) -> StepResult:
         """Run one step: the model over all scheduled tokens, logits of the sampled rows (of every
         token with ``all_logits``). With a ``tapper``, ``aux`` holds the concatenated taps [T, K·H];
         with a DFlash ``proposer``, ``aux`` holds the drafter's ``fc`` outputs [T, H] instead."""
+        if self.decode_runner is not None and tapper is None and not all_logits:
+            q = self.decode_runner.query_len(sched)
+            if q is not None:
+                return StepResult(*self.decode_runner.run(sched, q, proposer))
         input_ids, ctx, spans = self.prepare(sched)
         aux = None
         with set_forward_context(ctx):

@@ -37,6 +37,7 @@ class DFlashProposer:
         self.mask_token_id = cfg.mask_token_id
         self.pool_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
         self.kv_caches: list[torch.Tensor] = []
+        self.uniform = None  # DraftGraphRunner (enable_uniform): uniform batches on persistent inputs
         # Optional MXFP8 drafter input (shared/specs/mxfp8.md): the taps are quantized to MXFP8 and
         # fc runs on the dequantized buffer. Large forwards quantize each tap as the target produces
         # it (staged); small ones list-and-concatenate first. Both give the same bytes.
@@ -50,6 +51,17 @@ class DFlashProposer:
             data, scales, out = mxfp8_buffers(max_tokens, widths, cfg.hidden_size, device=device,
                                               out_dtype=self.drafter.fc.weight.dtype)
             self._staged = StagedDrafterInput(widths, self.drafter.fc.weight, data, scales, out, 0)
+
+    def enable_uniform(self, block_size: int, max_model_len: int, max_num_seqs: int, capturer=None) -> None:
+        """Draft from persistent inputs without host syncs (one read of the drafts), through CUDA graphs
+        when ``capturer`` (``runner.cuda_graph.GraphCapturer``) is given (``spec_decode.draft_graph``).
+        ``block_size``: the cache's tokens per block. Call after :meth:`allocate`."""
+        from longflash.spec_decode.draft_graph import DraftGraphRunner
+        self.uniform = DraftGraphRunner(self, block_size, max_model_len, max_num_seqs, self.device, capturer)
+
+    def capture_graphs(self) -> None:
+        """Capture the drafter's graphs (after :meth:`enable_uniform` with a capturer)."""
+        self.uniform.capture()
 
     def kv_bytes_per_token(self) -> int:
         """Draft-pool bytes per token (all draft layers, K and V)."""
@@ -108,8 +120,14 @@ class DFlashProposer:
         """Draft tokens for each (pending_token, position s, num_drafts, block_table) request.
 
         The context of a request is its draft-pool rows for positions < s. Returns per request
-        ``num_drafts`` argmax tokens (slots 1..num_drafts of the block).
+        ``num_drafts`` argmax tokens (slots 1..num_drafts of the block). With :meth:`enable_uniform`
+        the block forward runs on persistent inputs (CUDA graphs), reading the drafts with one
+        device -> host copy.
         """
+        if self.uniform is not None:
+            drafts = self.uniform.propose(requests)
+            if drafts is not None:
+                return drafts
         # Always the whole block [pending, MASK × (B − 1)] (the drafter was trained on full blocks; its
         # attention inside the block is non-causal, so a shorter block changes every slot), even when
         # fewer drafts are verified near max_tokens; only slots 1..num_drafts are returned.

@@ -1,0 +1,80 @@
+"""CUDA graphs (GPU only): replaying a captured decode step, DFlash verify step and drafter block forward
+of the default model gives the same logits / drafts as running the same padded step eagerly, greedy
+generation with graphs equals the eager padded engine, and uniform steps never synchronize the host
+(``torch.cuda.set_sync_debug_mode("error")``). The CPU equivalents are in ``test_uniform_decode.py``."""
+
+import pytest
+import torch
+
+from longflash import LLM, SamplingParams
+from longflash.runner.cuda_graph import uniform_query_len
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+KW = dict(max_num_seqs=8, max_num_batched_tokens=96, block_size=4, device="cuda", kv_cache_memory="1GiB")
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "To be, or not to be,"]
+
+
+def _decoding_step(engine, steps: int = 4):
+    from test_uniform_decode import PROMPTS as P, _decoding_step as step
+    assert P == PROMPTS
+    return step(engine, steps)
+
+
+@pytest.mark.parametrize("spec", ["off", None])
+def test_graph_replay_equals_eager_padded_step(spec):
+    engine = LLM(speculative_config=spec, **KW).engine
+    runner = engine.runner.decode_runner
+    assert runner.captured and (spec == "off" or engine.proposer.uniform.graphs)
+    sched, reqs, drafts = _decoding_step(engine)
+    q = uniform_query_len(sched.scheduled)
+    assert q == (1 if spec == "off" else 8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        replay = engine.runner.execute(sched, proposer=engine.proposer)  # bucket 4 graph
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    logits, aux = replay.logits.clone(), None if replay.aux is None else replay.aux.clone()
+    graphs, runner.graphs = runner.graphs, {}
+    runner.pad_like_graph = True
+    eager = engine.runner.execute(sched, proposer=engine.proposer)
+    runner.graphs, runner.pad_like_graph = graphs, False
+    scale = float(eager.logits.abs().max())
+    assert float((logits - eager.logits).abs().max()) <= 1e-3 * scale
+    assert torch.equal(logits.argmax(-1), eager.logits.argmax(-1))
+    if aux is not None:
+        assert float((aux - eager.aux).abs().max()) <= 1e-3 * float(eager.aux.abs().max())
+        drafter = engine.proposer.uniform
+        d_graph = engine.proposer.propose(reqs)
+        dgraphs, drafter.graphs = drafter.graphs, {}
+        drafter.pad_like_graph = True
+        d_eager = engine.proposer.propose(reqs)
+        drafter.graphs, drafter.pad_like_graph = dgraphs, False
+        assert d_graph == d_eager
+
+
+def test_generation_with_graphs_equals_eager_padded_engine():
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    graphs = LLM(**KW)
+    eager = LLM(enforce_eager=True, **KW)
+    eager.engine.runner.decode_runner.pad_like_graph = True
+    eager.engine.proposer.uniform.pad_like_graph = True
+    a = graphs.generate(PROMPTS, params)
+    b = eager.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert min(o.metrics.mean_acceptance_length for o in a) > 1.0
+
+
+def test_eager_uniform_step_does_not_sync():
+    """--enforce-eager: the uniform decode step runs without graphs and still never syncs."""
+    engine = LLM(speculative_config="off", enforce_eager=True, **KW).engine
+    assert not engine.runner.decode_runner.captured
+    sched, _, _ = _decoding_step(engine)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        res = engine.runner.execute(sched)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert res.ctx.uniform_decode and res.logits.shape[0] == len(sched.scheduled)

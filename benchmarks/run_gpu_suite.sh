@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call for all GPU benchmarks; results land in $OUT/results.tar.gz (+ suite.log).
 # Usage on the device machine: bash benchmarks/run_gpu_suite.sh
+#   ONLY="kda mxfp4_moe" runs just those steps; BUDGET_S=570 skips a step whose timeout would end past
+#   the budget (counted from the suite's start), so one device call (10 min max) always returns.
 set -u
+ONLY=${ONLY:-}; BUDGET_S=${BUDGET_S:-100000}; T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 R=$OUT/results; mkdir -p "$R"
 {
@@ -9,7 +12,10 @@ R=$OUT/results; mkdir -p "$R"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$R/device.txt" 2>&1
 run() {
-  name=$1; shift; echo "=== $name: $*"; start=$(date +%s)
+  name=$1; shift
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  if [ $(( $(date +%s) - T0 + $1 )) -gt "$BUDGET_S" ]; then echo "=== $name skipped (budget)"; return; fi
+  echo "=== $name: $*"; start=$(date +%s)
   timeout "$@" > "$R/$name.log" 2>&1; rc=$?
   echo "=== $name rc=$rc $(( $(date +%s) - start ))s"; tail -n 25 "$R/$name.log"
   tar czf "$OUT/results.tar.gz" -C "$OUT" results  # refreshed after every step: a later timeout loses nothing

@@ -4,7 +4,7 @@
 #   ONLY="kda mxfp4_moe" runs just those steps; BUDGET_S=570 skips a step whose timeout would end past
 #   the budget (counted from the suite's start), so one device call (10 min max) always returns.
 set -u
-ONLY=${ONLY:-}; BUDGET_S=${BUDGET_S:-100000}; T0=$(date +%s)
+ONLY=${ONLY:-}; BUDGET_S=${BUDGET_S:-100000}; T0=${T0:-$(date +%s)}  # export T0 to share one budget across calls
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 R=$OUT/results; mkdir -p "$R"
 {

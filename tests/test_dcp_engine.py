@@ -73,9 +73,6 @@ def test_engine_dcp_equals_single_process(tiny_model, variant, dcp, kw):
 def test_unwired_combinations_still_refused():
     with pytest.raises(NotImplementedError):
         EngineConfig(model="x", tensor_parallel_size=2, decode_context_parallel_size=1)
-    with pytest.raises(NotImplementedError):
-        EngineConfig(model="x", tensor_parallel_size=2, decode_context_parallel_size=2,
-                     speculative_config={"method": "dflash", "model": "d"})
     with pytest.raises(ValueError):
         EngineConfig(model="x", tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
                      cp_kv_cache_interleave_size=3)

@@ -174,9 +174,9 @@ def bench_rows(T, args, dev, timer, ceilings, out):
     Wd = R + P
     cands = SMOKE_CANDIDATES if args.smoke else CANDIDATES
     sets = 1 if dev.type == "cpu" else args.sets
-    g = torch.Generator(device="cpu").manual_seed(T)
-    kvs = [(torch.randn(T, R, generator=g) * 3).to(torch.bfloat16).to(dev) for _ in range(sets)]
-    pes = [(torch.randn(T, P, generator=g) * 3).to(torch.bfloat16).to(dev) for _ in range(sets)]
+    g = torch.Generator(device=dev).manual_seed(T)
+    kvs = [(torch.randn(T, R, generator=g, device=dev) * 3).to(torch.bfloat16) for _ in range(sets)]
+    pes = [(torch.randn(T, P, generator=g, device=dev) * 3).to(torch.bfloat16) for _ in range(sets)]
     slots, table, cu, t2s, nb, used = layout(T, bs, 16, dev)
     for cache_dtype in (torch.bfloat16, FP8):
         esz = 1 if cache_dtype == FP8 else 2

@@ -1,13 +1,13 @@
 """The fp8 cache write's division on the GPU (``triton_ops._quantize_e4m3``, SCALE_MODE 3): the quotient
 ``x / k_scale`` from ``rcp = RN(1 / k_scale)`` and two FMA residual corrections, then E4M3.
 
-The Triton interpreter's FMA is not fused, so the kernel path itself runs only on a GPU
-(``test_fp8_kv_ops.py::test_gpu_fp8_write_of_every_bf16_value_equals_reference``). Here the same
-operation sequence is evaluated with an exact fp32 FMA emulated in float64 (exact product, TwoSum
-remainder, midpoint fix-up) and compared with the correctly rounded quotient for every non-NaN bf16
-value under many scales: the fp32 quotients are equal wherever ``|x / k_scale| >= 2^-12`` (below that the
-residual can underflow, and every such quotient stores as ±0, which is checked too), and every E4M3
-byte equals torch's conversion of the exact quotient.
+The Triton interpreter's FMA is not fused, so the kernel path itself runs only on a GPU (test_fp8_kv_ops.py,
+``test_gpu_fp8_of_every_bf16_value_and_every_byte_equals_reference``). Here the same operation sequence
+is evaluated with an exact fp32 FMA emulated in float64 (exact product, TwoSum remainder, midpoint
+fix-up) and compared with the correctly rounded quotient for every non-NaN bf16 value under many
+scales: the fp32 quotients are equal wherever ``|x / k_scale| >= 2^-12`` (below that the residual can
+underflow, and every such quotient stores as ±0, which is checked too), and every E4M3 byte equals
+torch's conversion of the exact quotient.
 """
 import numpy as np
 import torch

@@ -251,7 +251,11 @@ def _hw_fp8(t: torch.Tensor) -> bool:
 
 
 def _f32(v: float) -> float:
-    return struct.unpack("f", struct.pack("f", v))[0]
+    """``v`` rounded to fp32 (to ±inf beyond the fp32 range, as ``torch.as_tensor(v, dtype=float32)``)."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
 
 
 def _write_scale(k_scale, hw: bool) -> tuple[int, float, float, float]:

@@ -161,9 +161,6 @@ class EngineConfig:
                                           "tensor_parallel_size == decode_context_parallel_size")
             if torch.device(self.device).type != "cpu":
                 raise NotImplementedError("decode-context parallelism is wired for the CPU (gloo) only so far")
-            if isinstance(self.speculative_config, dict):
-                raise NotImplementedError("speculative decoding under decode-context parallelism is not wired yet")
-            self.speculative_config = "off"  # the default model's own drafter is skipped under DCP
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")

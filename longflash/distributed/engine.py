@@ -22,15 +22,28 @@ from longflash.distributed.runner import DCPModelRunner
 logger = logging.getLogger("longflash")
 
 
-def _make_runner(model, config, num_blocks: int, kv_cache_dtype: torch.dtype, ps: comm.ParallelState) -> DCPModelRunner:
+def _make_runner(model, config, num_blocks: int, kv_cache_dtype: torch.dtype, ps: comm.ParallelState,
+                 proposer=None) -> DCPModelRunner:
     return DCPModelRunner(model, num_blocks, config.block_size, kv_cache_dtype, torch.device(config.device),
                           config.calculate_kv_scales, config.context_workspace_rows,
-                          parallel=ps, channel=comm.StepChannel(ps.tp))
+                          parallel=ps, channel=comm.StepChannel(ps.tp), proposer=proposer)
+
+
+def _worker_proposer(drafter: str | None, model, config, num_blocks: int, dtype: torch.dtype):
+    """This worker's DFlash proposer with its replicated draft pool (``num_blocks`` logical blocks of
+    ``block_size * dcp`` tokens), or None without a drafter."""
+    if drafter is None:
+        return None
+    from longflash.spec_decode.proposer import DFlashProposer
+    proposer = DFlashProposer.from_engine_config(drafter, model, dtype, torch.device(config.device), config)
+    proposer.allocate(num_blocks, config.block_size * config.decode_context_parallel_size)
+    return proposer
 
 
 def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_cache_dtype: torch.dtype,
-                 dtype: torch.dtype, num_threads: int) -> None:
-    """Rank 1..N-1: load the model, build this rank's KV shard, run steps until rank 0 stops."""
+                 dtype: torch.dtype, num_threads: int, drafter: str | None = None) -> None:
+    """Rank 1..N-1: load the model (and the DFlash drafter at ``drafter``), build this rank's KV shard
+    and replicated draft pool, run steps until rank 0 stops."""
     torch.set_num_threads(num_threads)
     from longflash.models.loader import load_model
     try:
@@ -39,7 +52,8 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
                                             config.cp_kv_cache_interleave_size)
         torch.manual_seed(config.seed)
         model, _ = load_model(config.model, dtype, torch.device(config.device), progress=False)
-        _make_runner(model, config, num_blocks, kv_cache_dtype, ps).serve_forever()
+        proposer = _worker_proposer(drafter, model, config, num_blocks, dtype)
+        _make_runner(model, config, num_blocks, kv_cache_dtype, ps, proposer).serve_forever()
     except BaseException:
         logger.exception("DCP worker rank %d failed", rank)
         sys.exit(1)
@@ -62,6 +76,9 @@ class _Rank0Runner(DCPModelRunner):
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self.draft_checks:
+            logger.info("DCP DFlash: %d draft steps checked on every rank, %d worker drafts differed from rank 0's",
+                        self.draft_checks, self.draft_mismatches)
         try:
             if all(p.exitcode is None for p in self.procs):
                 self.channel.post(None)
@@ -93,7 +110,8 @@ def start_dcp(engine) -> DCPModelRunner:
         if env.rank != 0:
             ps = comm.initialize_model_parallel(world, cfg.decode_context_parallel_size,
                                                 cfg.cp_kv_cache_interleave_size)
-            _make_runner(engine.model, cfg, engine.num_blocks, engine.kv_cache_dtype, ps).serve_forever()
+            _make_runner(engine.model, cfg, engine.num_blocks, engine.kv_cache_dtype, ps,
+                         engine.proposer).serve_forever()
             comm.destroy_distributed()
             sys.exit(0)
     else:
@@ -102,7 +120,7 @@ def start_dcp(engine) -> DCPModelRunner:
         for r in range(1, world):
             p = ctx.Process(target=_worker_main, daemon=True,
                             args=(r, world, port, cfg, engine.num_blocks, engine.kv_cache_dtype, engine.dtype,
-                                  torch.get_num_threads()))
+                                  torch.get_num_threads(), engine.proposer.path if engine.proposer else None))
             p.start()
             procs.append(p)
         try:
@@ -114,7 +132,7 @@ def start_dcp(engine) -> DCPModelRunner:
     ps = comm.initialize_model_parallel(world, cfg.decode_context_parallel_size, cfg.cp_kv_cache_interleave_size)
     runner = _Rank0Runner(engine.model, engine.num_blocks, cfg.block_size, engine.kv_cache_dtype,
                           torch.device(cfg.device), cfg.calculate_kv_scales, cfg.context_workspace_rows,
-                          parallel=ps, channel=comm.StepChannel(ps.tp))
+                          parallel=ps, channel=comm.StepChannel(ps.tp), proposer=engine.proposer)
     runner.procs = procs
     logger.info("decode-context parallelism: %d ranks (%s), interleave %d", world,
                 "torchrun" if env is not None else "local processes", cfg.cp_kv_cache_interleave_size)

@@ -7,11 +7,22 @@ parallel weight sharding is a later step) and its own KV shard: logical blocks c
 ``block_size * dcp_size`` tokens (rank 0's block manager uses that as ``tokens_per_block``) and each
 rank stores its positions in its physical block of the same id (``dcp.dcp_slot_mapping``). MLA layers
 read the DCP group from ``comm.get_parallel_state()``.
+
+DFlash under DCP (``docs/dcp.md``): every rank holds a *replicated* draft pool (all
+``block_size * dcp_size`` tokens of a logical block, single-process slots on logical blocks) and
+runs the drafter SPMD (the drafter uses the target's embedding and LM head, collectives under
+tensor parallelism). Rank 0 posts a :class:`DraftMirror` before it drafts (the requests) and with
+each step (whether the forward captures the taps); both carry the draft-context writes rank 0 made
+since its last post, as rows of the last capturing forward, whose fc outputs every rank computed
+from the same replicated taps. Workers repeat the writes, then the drafting; the drafts of all ranks
+are all-gathered and rank 0 counts requests drafted differently elsewhere (``draft_mismatches``,
+expected 0; rank 0's drafts are the ones verified).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -20,19 +31,38 @@ from longflash.distributed.dcp import check_dcp_args, dcp_slot_mapping
 from longflash.runner.context import ForwardContext, set_forward_context
 from longflash.runner.model_runner import ModelRunner
 
+logger = logging.getLogger("longflash")
+
+
+@dataclasses.dataclass
+class DraftMirror:
+    """What the worker ranks' DFlash proposers repeat. Posted alone to draft, or with a step.
+
+    Attributes:
+        commits: (first_row, num_rows) of the last capturing forward whose context K/V rank 0 wrote
+            into its draft pool since its previous post, in write order (applied first).
+        requests: draft requests (``DFlashProposer.propose`` arguments); empty with a step.
+        capture: with a step: whether its forward captures the taps (fc outputs) for later writes.
+    """
+
+    commits: list[tuple[int, int]]
+    requests: list[tuple[int, int, int, list[int]]]
+    capture: bool = False
+
 
 class DCPModelRunner(ModelRunner):
     """A ModelRunner whose cache holds this rank's DCP shard.
 
     Args (besides ModelRunner's): ``parallel`` (this rank's groups and interleave size), ``channel``
-    (the step channel over the DCP group's ranks; rank 0 posts, others receive).
+    (the step channel over the DCP group's ranks; rank 0 posts, others receive), ``proposer`` (this
+    rank's DFlash proposer with its replicated draft pool allocated, or None).
     ``block_size`` is the physical block size of this rank's cache; ``self.block_size`` becomes the
     logical block (``block_size * dcp_size`` tokens), as the base ``prepare`` indexes block tables.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype, device: torch.device,
                  calculate_kv_scales: bool = False, context_workspace_rows: int | None = None, *,
-                 parallel: ParallelState, channel: StepChannel):
+                 parallel: ParallelState, channel: StepChannel, proposer=None):
         check_dcp_args(block_size, parallel.dcp_size, parallel.cp_kv_cache_interleave_size)
         super().__init__(model, num_blocks, block_size, kv_cache_dtype, device, calculate_kv_scales,
                          context_workspace_rows)
@@ -42,20 +72,80 @@ class DCPModelRunner(ModelRunner):
         # NOTE: the base prepare() computes single-process slots with self.block_size; localize()
         # replaces them, so only the logical block indexing of that code matters.
         self.block_size = block_size * parallel.dcp_size
+        self.proposer = proposer
+        self._commits: list[tuple[int, int]] = []  # rank 0: draft-pool writes since the last post
+        self._capture = False
+        self.draft_checks = 0        # rank 0: draft steps checked against the workers' drafts
+        self.draft_mismatches = 0    # rank 0: requests for which some worker drafted other tokens
+        self._last: tuple[torch.Tensor, ForwardContext] | None = None  # worker: last forward's (fc out, ctx)
 
     def localize(self, ctx: ForwardContext) -> ForwardContext:
         """The context with this rank's slot mapping (-1 where another rank owns the token) and the
-        physical block size."""
+        physical block size. The single-process slots on logical blocks, which address the
+        replicated draft pool, stay in ``extras["draft_slot_mapping"]``."""
         lens = ctx.query_start_loc[1:] - ctx.query_start_loc[:-1]
         token_to_req = torch.repeat_interleave(torch.arange(ctx.num_reqs, device=lens.device), lens.long())
         slots = dcp_slot_mapping(ctx.positions, ctx.block_table, self.physical_block_size, self.parallel.dcp_size,
                                  self.parallel.dcp_rank, self.parallel.cp_kv_cache_interleave_size, token_to_req)
-        return dataclasses.replace(ctx, slot_mapping=slots, block_size=self.physical_block_size)
+        return dataclasses.replace(ctx, slot_mapping=slots, block_size=self.physical_block_size,
+                                   extras={**ctx.extras, "draft_slot_mapping": ctx.slot_mapping})
+
+    # ---- rank 0 ---------------------------------------------------------------------------------
+    def propose(self, proposer, requests):
+        """Post the requests (workers draft them too, after the pending draft-pool writes), draft,
+        and compare every rank's drafts with rank 0's."""
+        self.channel.post(DraftMirror(self._take_commits(), requests))
+        drafts = proposer.propose(requests)
+        self._check_drafts(drafts)
+        return drafts
+
+    def _take_commits(self) -> list[tuple[int, int]]:
+        commits, self._commits = self._commits, []
+        return commits
+
+    def write_draft_context(self, proposer, res, first_row: int, num_rows: int) -> None:
+        """Rank 0's write into its replicated draft pool (logical-block slots: every position on
+        every rank); the workers repeat it before the next step."""
+        r = slice(first_row, first_row + num_rows)
+        proposer.write_context(res.aux[r], res.ctx.positions[r], res.ctx.extras["draft_slot_mapping"][r])
+        self._commits.append((first_row, num_rows))
+
+    def execute(self, sched, all_logits: bool = False, tapper=None, proposer=None):
+        self._capture = proposer is not None
+        return super().execute(sched, all_logits, tapper, proposer)
 
     def prepare(self, sched):
         input_ids, ctx, spans = super().prepare(sched)
-        self.channel.post((input_ids, ctx))
+        mirror = DraftMirror(self._take_commits(), [], self._capture) if self.proposer is not None else None
+        self.channel.post((input_ids, ctx, mirror))
         return input_ids, self.localize(ctx), spans
+
+    def _check_drafts(self, drafts: list[list[int]]) -> None:
+        """Every rank: all-gather the drafts; rank 0 counts the requests some rank drafted differently."""
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64)
+        every = self.channel.group.all_gather(flat[None], dim=0)                 # [ranks, total drafts]
+        if not self.channel.group.is_first_rank:
+            return
+        self.draft_checks += 1
+        bad, k = 0, 0
+        for d in drafts:
+            bad += int((every[:, k:k + len(d)] != every[:1, k:k + len(d)]).any())
+            k += len(d)
+        if bad:
+            self.draft_mismatches += bad
+            logger.warning("DCP: %d request(s) drafted differently on a worker rank than on rank 0 (%d so far): "
+                           "the replicated draft pools disagree (rank 0's drafts are verified)",
+                           bad, self.draft_mismatches)
+
+    # ---- workers --------------------------------------------------------------------------------
+    def _write_commits(self, commits: list[tuple[int, int]]) -> None:
+        """Repeat rank 0's draft-pool writes (rows of the last capturing forward)."""
+        for first, n in commits:
+            if self._last is None:
+                raise RuntimeError("DCP worker: a draft-context write names a forward that captured no taps")
+            aux, ctx = self._last
+            r = slice(first, first + n)
+            self.proposer.write_context(aux[r], ctx.positions[r], ctx.extras["draft_slot_mapping"][r])
 
     @torch.inference_mode()
     def serve_forever(self) -> None:
@@ -65,9 +155,22 @@ class DCPModelRunner(ModelRunner):
             msg = self.channel.recv()
             if msg is None:
                 return
-            input_ids, ctx = msg
-            with set_forward_context(self.localize(ctx)):
-                self.model(input_ids)
+            if isinstance(msg, DraftMirror):  # draft with rank 0
+                self._write_commits(msg.commits)
+                self._check_drafts(self.proposer.propose(msg.requests))
+                continue
+            input_ids, ctx, mirror = msg
+            if mirror is not None:
+                self._write_commits(mirror.commits)
+            ctx = self.localize(ctx)
+            with set_forward_context(ctx):
+                if mirror is not None and mirror.capture:
+                    with self.proposer.capture(input_ids.shape[0]) as holder:
+                        self.model(input_ids)
+                    self._last = (holder.fc_out(), ctx)
+                else:
+                    self.model(input_ids)
+                    self._last = None
 
     def shutdown(self) -> None:
         """Rank 0: tell the workers to exit."""

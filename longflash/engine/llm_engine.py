@@ -109,11 +109,18 @@ class LLMEngine:
         spec = self.model.kv_cache_spec()
         self.num_speculative_tokens = 0
         self.proposer = self._make_proposer()
-        self.draft_kv_bytes_per_token = self.proposer.kv_bytes_per_token() if self.proposer else 0
-        # Capacity accounting includes the draft pool: both are addressed by the same block ids.
-        self.kv_bytes_per_token = spec.bytes_per_token(self.kv_cache_dtype) + self.draft_kv_bytes_per_token
         bs = config.block_size
         dcp = config.decode_context_parallel_size  # a logical block covers bs * dcp tokens (one bs-block per rank)
+        if dcp > 1 and self.proposer is not None and self.model.recurrent_state_layers():
+            raise NotImplementedError("speculative decoding under decode-context parallelism for a model with "
+                                      "linear-attention (KDA) layers: the verify rollback of the recurrent state "
+                                      "is not mirrored on the worker ranks yet")
+        self.target_kv_bytes_per_token = spec.bytes_per_token(self.kv_cache_dtype)
+        self.draft_kv_bytes_per_token = self.proposer.kv_bytes_per_token() if self.proposer else 0
+        # Capacity accounting includes the draft pool: both are addressed by the same block ids. Per
+        # rank, a block holds bs rows of the target cache (this rank's shard under DCP) and bs * dcp
+        # rows of the replicated draft pool; kv_bytes_per_token is that per-rank cost per cache row.
+        self.kv_bytes_per_token = self.target_kv_bytes_per_token + dcp * self.draft_kv_bytes_per_token
         if config.num_gpu_blocks is not None:
             num_blocks = config.num_gpu_blocks
         else:
@@ -146,14 +153,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, bs * dcp, prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
+        if self.proposer is not None:  # before start_dcp: a torchrun worker rank serves from inside it
+            self.proposer.allocate(self.num_blocks, bs * dcp)
         if dcp > 1:  # rank 0 of the DCP process model; starts (or, under torchrun, becomes) the workers
             from longflash.distributed.engine import start_dcp
             self.runner = start_dcp(self)
         else:
             self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device,
                                       config.calculate_kv_scales, config.context_workspace_rows, config.max_num_seqs)
-        if self.proposer is not None:
-            self.proposer.allocate(self.num_blocks, bs)
         self._graphs_pending = self._setup_uniform_decode()
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampling_generator = torch.Generator(device="cpu").manual_seed(config.seed)
@@ -178,10 +185,7 @@ class LLMEngine:
                 return None
             sc = {"method": "dflash", "model": shipped}
         from longflash.spec_decode.proposer import DFlashProposer
-        proposer = DFlashProposer(sc["model"], self.model, self.dtype, self.device,
-                                  mxfp8_input=self.config.dflash_mxfp8_input,
-                                  staged_threshold=self.config.dflash_staged_threshold,
-                                  max_tokens=self.config.max_num_batched_tokens)
+        proposer = DFlashProposer.from_engine_config(sc["model"], self.model, self.dtype, self.device, self.config)
         k = sc.get("num_speculative_tokens") or proposer.block_size - 1
         self.num_speculative_tokens = min(int(k), proposer.block_size - 1)
         logger.info("speculative decoding: DFlash drafter %s, block size %d, %d draft tokens per step, taps %s (%s)",
@@ -270,7 +274,13 @@ class LLMEngine:
         return DEFAULT_CPU_KV_CACHE_BYTES
 
     def startup_report(self) -> dict:
-        """Load time (s), KV cache size in tokens/blocks/bytes, max concurrency at max_model_len."""
+        """Load time (s), KV cache size in tokens/blocks/bytes, max concurrency at max_model_len.
+
+        Bytes are per rank: ``kv_cache_bytes`` = ``target_kv_cache_bytes`` (the target's cache, this
+        rank's shard under DCP) + ``draft_kv_cache_bytes`` (the DFlash draft pool, replicated: every
+        rank holds all ``block_size * dcp`` tokens of each block). ``kv_bytes_per_token`` is the
+        per-rank cost of one cache row (target row + dcp draft rows).
+        """
         bs = self.config.block_size
         dcp = self.config.decode_context_parallel_size
         tokens = self.num_blocks * bs * dcp  # DCP: each rank stores 1/dcp of every logical block
@@ -282,6 +292,11 @@ class LLMEngine:
             "kv_cache_tokens": tokens,
             "kv_cache_blocks": self.num_blocks,
             "kv_cache_bytes": self.num_blocks * bs * self.kv_bytes_per_token,  # per rank
+            "target_kv_cache_bytes": self.num_blocks * bs * self.target_kv_bytes_per_token,  # per rank (shard)
+            "draft_kv_cache_bytes": self.num_blocks * bs * dcp * self.draft_kv_bytes_per_token,  # per rank (replica)
+            "draft_kv_cache_dtype": str(self.proposer.pool_dtype).replace("torch.", "") if self.proposer else None,
+            "target_kv_bytes_per_token": self.target_kv_bytes_per_token,
+            "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
             "decode_context_parallel_size": dcp,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
@@ -296,10 +311,12 @@ class LLMEngine:
         in each cache dtype (fp8 holds twice the tokens of bf16)."""
         spec = self.model.kv_cache_spec()
         bs = self.config.block_size
-        # The draft pool (DFlash) is addressed by the same blocks, so it costs the same in every dtype.
-        draft = self.draft_kv_bytes_per_token
+        dcp = self.config.decode_context_parallel_size
+        # The draft pool (DFlash) is addressed by the same blocks, so it costs the same in every dtype
+        # (dcp draft rows per target row under DCP: the pool is replicated).
+        draft = dcp * self.draft_kv_bytes_per_token
         budget = self.num_blocks * bs * self.kv_bytes_per_token
-        capacity = {str(d).replace("torch.", ""): budget // ((spec.bytes_per_token(d) + draft) * bs) * bs
+        capacity = {str(d).replace("torch.", ""): budget // ((spec.bytes_per_token(d) + draft) * bs) * bs * dcp
                     for d in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)}
         layers = self.model.attention_layers()
         fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
@@ -322,8 +339,10 @@ class LLMEngine:
                     r["kv_cache_blocks"], self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
                     r["kv_cache_bytes"] / 2**20)
         if r["decode_context_parallel_size"] > 1:
-            logger.info("decode-context parallelism %d: each rank holds %.1f MiB of KV; capacity x%d = %d tokens",
+            logger.info("decode-context parallelism %d: each rank holds %.1f MiB of KV (target shard %.1f MiB + "
+                        "replicated draft pool %.1f MiB); capacity x%d = %d tokens",
                         r["decode_context_parallel_size"], r["kv_cache_bytes"] / 2**20,
+                        r["target_kv_cache_bytes"] / 2**20, r["draft_kv_cache_bytes"] / 2**20,
                         r["decode_context_parallel_size"], r["kv_cache_tokens"])
         logger.info("maximum concurrency for %d tokens per request: %.2fx", r["max_model_len"], r["max_concurrency"])
         if r["recurrent_state_bytes"]:
@@ -333,9 +352,11 @@ class LLMEngine:
         logger.info("KV capacity of this budget by cache dtype: %s tokens; context workspace %d rows",
                     r["kv_capacity_tokens_by_dtype"], r["context_workspace_rows"])
         if self.draft_kv_bytes_per_token:
-            logger.info("DFlash draft KV pool: %d bytes/token (%s), %.1f MiB, same blocks as the target cache",
-                        self.draft_kv_bytes_per_token, str(self.proposer.pool_dtype).replace("torch.", ""),
-                        self.num_blocks * self.config.block_size * self.draft_kv_bytes_per_token / 2**20)
+            logger.info("target KV cache: %d bytes/token (%s), %.1f MiB; DFlash draft KV pool: %d bytes/token (%s), "
+                        "%.1f MiB, same blocks as the target cache%s", r["target_kv_bytes_per_token"],
+                        r["kv_cache_dtype"], r["target_kv_cache_bytes"] / 2**20, r["draft_kv_bytes_per_token"],
+                        r["draft_kv_cache_dtype"], r["draft_kv_cache_bytes"] / 2**20,
+                        " (replicated on every DCP rank)" if r["decode_context_parallel_size"] > 1 else "")
         if self.model_config.get("attn_res_block_size"):
             from longflash.models.attn_res_plan import attn_res_bytes_per_token
             b = attn_res_bytes_per_token(self.model_config, self.dtype)
@@ -501,8 +522,8 @@ class LLMEngine:
             self._capture_graphs()
         drafting = [s for s in sched.scheduled if s.num_lookahead_tokens]
         if drafting:
-            drafts = self.proposer.propose([(s.seq.token_ids[-1], s.seq.num_computed_tokens, s.num_lookahead_tokens,
-                                             s.seq.block_table) for s in drafting])
+            drafts = self.runner.propose(self.proposer, [(s.seq.token_ids[-1], s.seq.num_computed_tokens,
+                                                          s.num_lookahead_tokens, s.seq.block_table) for s in drafting])
             for s, d in zip(drafting, drafts):
                 s.seq.spec_token_ids = d
         res = self.runner.execute(sched, proposer=self.proposer)

@@ -2,9 +2,15 @@
 decoding request and keeps the draft context in step with committed tokens.
 
 The draft pool is a separate paged cache per draft layer ([2, num_blocks, block_size, kv_heads,
-head_dim], bf16 or the fp32 model dtype, never fp8) addressed with the target's block ids and slot
-mapping, so prefix-cache sharing and preemption need nothing extra: every committed token's context
-K/V is written in the same step that computes its target KV, before its block can be shared.
+head_dim], bf16 or the fp32 model dtype, never fp8 even when the target cache is fp8: the drafter's
+non-causal attention reads it as is) addressed with the target's block ids and slot mapping, so
+prefix-cache sharing and preemption need nothing extra: every committed token's context K/V is
+written in the same step that computes its target KV, before its block can be shared.
+
+Under decode-context parallelism (DCP) the draft pool is *replicated*, never sharded (sharding it
+changed the draft distribution in production engines, ``shared/specs/dflash.md`` "Engines'
+pitfalls"): a logical block covers ``block_size * dcp`` tokens and every rank's pool holds all of
+them, with the single-process slot formula on logical blocks (see ``docs/dcp.md``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class DFlashProposer:
 
     def __init__(self, path: str, target, dtype: torch.dtype, device: torch.device, mxfp8_input: bool = False,
                  staged_threshold: int = 512, max_tokens: int = 2048):
+        self.path = path
         self.target = target
         self.device = device
         num_layers = len(target.model.layers)
@@ -63,6 +70,14 @@ class DFlashProposer:
         """Capture the drafter's graphs (after :meth:`enable_uniform` with a capturer)."""
         self.uniform.capture()
 
+    @classmethod
+    def from_engine_config(cls, path: str, target, dtype: torch.dtype, device: torch.device,
+                           config) -> "DFlashProposer":
+        """The proposer for drafter directory ``path`` with the drafter-input options of an
+        ``EngineConfig`` (the engine and every DCP worker build it the same way)."""
+        return cls(path, target, dtype, device, mxfp8_input=config.dflash_mxfp8_input,
+                   staged_threshold=config.dflash_staged_threshold, max_tokens=config.max_num_batched_tokens)
+
     def kv_bytes_per_token(self) -> int:
         """Draft-pool bytes per token (all draft layers, K and V)."""
         kvh, hd = self.drafter.kv_row_shape()
@@ -70,6 +85,11 @@ class DFlashProposer:
         return 2 * kvh * hd * elem * len(self.drafter.layers)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the draft pool: ``num_blocks`` blocks of ``block_size`` token rows per draft layer.
+
+        ``block_size`` is the tokens of a *logical* block: the target's block size, times
+        ``dcp_size`` under DCP (the pool is replicated, so each rank holds every token of a block).
+        """
         kvh, hd = self.drafter.kv_row_shape()
         self.kv_caches = []
         for attn in self.drafter.attention_layers():
@@ -128,6 +148,18 @@ class DFlashProposer:
             drafts = self.uniform.propose(requests)
             if drafts is not None:
                 return drafts
+        best = torch.argmax(self.draft_logits(requests), dim=-1).tolist()
+        out, k = [], 0
+        for _, _, n, _ in requests:
+            out.append(best[k:k + n])
+            k += n
+        return out
+
+    @torch.inference_mode()
+    def draft_logits(self, requests: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
+        """Logits of the draft slots: [sum of num_drafts, vocab] fp32 (the target's ``compute_logits``),
+        request after request, slots 1..num_drafts of each block. Arguments as :meth:`propose`
+        (the eager path; the uniform/CUDA-graph path of :meth:`propose` computes the same rows)."""
         # Always the whole block [pending, MASK × (B − 1)] (the drafter was trained on full blocks; its
         # attention inside the block is non-causal, so a shorter block changes every slot), even when
         # fewer drafts are verified near max_tokens; only slots 1..num_drafts are returned.
@@ -148,14 +180,8 @@ class DFlashProposer:
         hidden = self.drafter(embeds, torch.tensor(positions, dtype=torch.int64, device=dev), starts, ctx_lens,
                               table.to(dev))
         rows = [starts[b] + 1 + j for b, r in enumerate(requests) for j in range(r[2])]
-        logits = self.target.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(
+        return self.target.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(
             self.target.lm_head.weight.dtype))
-        best = torch.argmax(logits, dim=-1).tolist()
-        out, k = [], 0
-        for _, _, n, _ in requests:
-            out.append(best[k:k + n])
-            k += n
-        return out
 
 
 class _FcHolder:

@@ -18,8 +18,8 @@ from longflash.default_model_path import default_model_path
 from longflash.engine.llm_engine import LLMEngine
 from longflash.sampling_params import SamplingParams
 
-PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return", "To be, or not to be, that is the question:",
-           "import os\nimport sys\n"]
+PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+           "To be, or not to be, that is the question:", "import os\nimport sys\n"]
 MAX_TOKENS = 16
 SECOND_TURN_LEN = 33      # prompt 0 is 22 tokens: its 38 tokens hold two full blocks of 16 after turn one
 # DCP changes the target's fp32 sums (LSE combine) by ~1e-6; a sharded draft pool changes the

@@ -241,9 +241,18 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        self.runner.decode_runner.capture(self.proposer)
-        if self.proposer is not None:
-            self.proposer.capture_graphs()
+        """Capture the decode/verify and drafter graphs; if capture fails (an op that synchronizes or
+        changes shape with the data), log it and keep running the same steps eagerly."""
+        try:
+            self.runner.decode_runner.capture(self.proposer)
+            if self.proposer is not None:
+                self.proposer.capture_graphs()
+        except Exception:  # noqa: BLE001 — graphs are an optimization; the eager uniform path is equivalent
+            logger.exception("CUDA graph capture failed; decode steps run eagerly (as with --enforce-eager)")
+            self.runner.decode_runner.graphs = {}
+            if self.proposer is not None and self.proposer.uniform is not None:
+                self.proposer.uniform.graphs = {}
+            torch.cuda.synchronize(self.device)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         kvd = self.config.kv_cache_dtype

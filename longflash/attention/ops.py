@@ -352,7 +352,9 @@ def merge_attn_states(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suf
     Formula: m = max(lse_p, lse_s); w = e^(lse - m); out = (w_p o_p + w_s o_s) / (w_p + w_s);
     lse = m + log(w_p + w_s).
     """
-    neg_inf = torch.tensor(float("-inf"), device=prefix_lse.device)
+    # NOTE: Python scalars, not torch.tensor(..., device=...): a host -> device copy would block the host
+    # and cannot be captured in a CUDA graph (the drafter's padded forward merges with this on GPUs).
+    neg_inf = float("-inf")
     lp = prefix_lse.float()
     ls = suffix_lse.float()
     lp = torch.where(lp == float("inf"), neg_inf, lp)
@@ -364,7 +366,7 @@ def merge_attn_states(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suf
     ws = torch.exp(ls - m_safe)
     tot = wp + ws
     inv = torch.where(empty, torch.zeros_like(tot), 1.0 / torch.where(empty, torch.ones_like(tot), tot))
-    zero = torch.zeros((), device=prefix_output.device)
+    zero = 0.0
     po = torch.where((wp > 0)[..., None], prefix_output.float() * (wp * inv)[..., None], zero)
     so = torch.where((ws > 0)[..., None], suffix_output.float() * (ws * inv)[..., None], zero)
     out_f = po + so

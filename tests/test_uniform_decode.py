@@ -130,3 +130,54 @@ def test_qwen3_gqa_generation_with_static_path_equals_default(tiny_model):
     llm.engine.enable_uniform_decode(cuda_graphs=False)
     llm.engine.runner.decode_runner.pad_like_graph = True
     assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)] == ref
+
+
+class _HostReads:
+    """Records ops that read device values on the host or copy Python data to the device (a sync or an
+    uncapturable copy on CUDA), with the longflash line that called them."""
+
+    OPS = {"_local_scalar_dense", "item", "nonzero", "unique", "_unique2", "unique_consecutive", "masked_select",
+           "lift_fresh", "bincount", "is_nonzero", "equal", "repeat_interleave"}
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        hits = self.hits = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket.__name__ in _HostReads.OPS:
+                    import traceback
+                    frames = [f for f in traceback.extract_stack() if "/longflash/" in f.filename]
+                    if frames:
+                        hits.append((func.overloadpacket.__name__, f"{frames[-1].filename}:{frames[-1].lineno}"))
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+
+
+def test_uniform_forwards_never_read_device_values(monkeypatch):
+    """What the graphs hold (the padded target verify forward with DFlash taps, the drafter's padded
+    block forward) runs no op that reads a device value on the host, on the CPU references; MoE goes
+    through the capture-safe dispatch (on CUDA: its Triton kernel) instead of the eager one."""
+    from longflash.layers import moe
+    from longflash.layers.moe_grouped import grouped_experts_ref
+
+    def capture_safe(h, experts, w, ids):
+        from longflash.layers.moe_grouped import stack_expert_weights
+        if not hasattr(experts, "_stack"):
+            experts._stack = stack_expert_weights(experts)
+        return grouped_experts_ref(h, *experts._stack, w, ids, experts[0].act_and_mul)
+    monkeypatch.setattr(moe, "run_experts", capture_safe)
+    engine = LLM(**KW).engine
+    sched, reqs, _ = _decoding_step(engine, steps=3)
+    engine.enable_uniform_decode(cuda_graphs=False)
+    runner, drafter = engine.runner.decode_runner, engine.proposer.uniform
+    q = uniform_query_len(sched.scheduled)
+    reads = _HostReads()
+    with torch.inference_mode():
+        seq_lens, ctx_lens = runner._fill(sched.scheduled, q, 4)
+        drafter._fill(reqs, 4)
+        with reads.mode:
+            runner._forward(runner._context(4, q, runner.capacity, seq_lens + [q], ctx_lens + [0]), engine.proposer)
+            drafter._forward(4, drafter.capacity)
+    assert q == 8 and reads.hits == []

@@ -58,11 +58,13 @@ def write_rows(flat: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tenso
     if rows.shape[0] == 0:
         return
     valid = slot_mapping >= 0
-    first = valid.to(torch.int32).argmax()  # first valid entry (0 when there is none)
-    any_valid = valid[first]
-    fb_slot = torch.where(any_valid, slot_mapping[first], torch.zeros_like(slot_mapping[first]))
-    fb_row = torch.where(any_valid, rows[first], flat[0])
-    row_mask = valid.view(-1, *([1] * (rows.dim() - 1)))
+    # NOTE: index_select with a [1] index, never t[0-dim tensor] (that indexing reads the index on the host).
+    first = valid.to(torch.int32).argmax().view(1)  # first valid entry (0 when there is none)
+    any_valid = valid.index_select(0, first)
+    fb_slot = torch.where(any_valid, slot_mapping.index_select(0, first), 0)
+    bshape = (1,) * (rows.dim() - 1)
+    fb_row = torch.where(any_valid.view(1, *bshape), rows.index_select(0, first), flat[:1])
+    row_mask = valid.view(-1, *bshape)
     flat.index_copy_(0, torch.where(valid, slot_mapping, fb_slot), torch.where(row_mask, rows, fb_row))
 
 

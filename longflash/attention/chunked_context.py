@@ -49,9 +49,11 @@ class ContextChunk:
     def gather_args(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(req_ids [n] int64, cu_seq_lens [n + 1] int32, seq_starts [n] int32) for the gather op;
         the block table passed with them is the batch's table indexed by ``req_ids``."""
-        req = torch.tensor([s.req for s in self.segments], dtype=torch.int64, device=device)
-        cu = torch.tensor([0] + [s.offset + s.length for s in self.segments], dtype=torch.int32, device=device)
-        starts = torch.tensor([s.start for s in self.segments], dtype=torch.int32, device=device)
+        from longflash.runner.step_inputs import to_device_async  # pinned, non-blocking: no host sync
+        device = torch.device(device)
+        req = to_device_async([s.req for s in self.segments], torch.int64, device)
+        cu = to_device_async([0] + [s.offset + s.length for s in self.segments], torch.int32, device)
+        starts = to_device_async([s.start for s in self.segments], torch.int32, device)
         return req, cu, starts
 
 

@@ -22,6 +22,7 @@ from longflash.distributed.comm import get_parallel_state
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding
 from longflash.runner.context import get_forward_context
+from longflash.runner.step_inputs import to_device_async
 
 
 class MLAAttention(nn.Module):
@@ -129,10 +130,20 @@ class MLAAttention(nn.Module):
                 q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
                 self.scale, self.kv_lora_rank, ps.dcp, ps.cp_kv_cache_interleave_size, self._k_scale())
             return torch.einsum("thr,hvr->thv", o_lat, w_uv)
-        o_lat, _ = decode_op(self.kv_cache)(
-            q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
-            self.scale, self.kv_lora_rank, self._k_scale())
+        o_lat, _ = self._decode_request(q_abs, ctx, b)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def _decode_request(self, q_abs: torch.Tensor, ctx, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed attention of request b's queries ``q_abs`` [q_len, H, W] (one process). On a GPU the
+        lengths go to the op as device tensors with host bounds (no host -> device copy, no sync)."""
+        op = decode_op(self.kv_cache)
+        if self.kv_cache.is_cuda:
+            qsl = ctx.query_start_loc[b:b + 2] - ctx.query_start_loc_cpu[b]
+            return op(q_abs, self.kv_cache, ctx.block_table[b:b + 1], qsl, ctx.seq_lens[b:b + 1], self.scale,
+                      self.kv_lora_rank, self._k_scale(), max_query_len=q_abs.shape[0],
+                      max_seq_len=ctx.seq_lens_cpu[b])
+        return op(q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
+                  self.scale, self.kv_lora_rank, self._k_scale())
 
     def _decode_uniform(self, q_nope, q_pe, ctx, w_uk, w_uv) -> torch.Tensor:
         """Absorbed attention of a uniform decode/verify step ([T, H, v_head_dim]): every request has
@@ -176,11 +187,12 @@ class MLAAttention(nn.Module):
             run_out = {b: q.new_zeros(qsl[b + 1] - qsl[b], H, vd) for b in reqs}
             run_lse = {b: torch.full((qsl[b + 1] - qsl[b], H), float("-inf"), device=q.device) for b in reqs}
         plan = plan_context_chunks(ctx_lens, self.context_workspace_rows, self.kv_cache.shape[1])
-        reqs_t = torch.tensor(reqs, dtype=torch.int64, device=ctx.block_table.device)
+        reqs_t = to_device_async(reqs, torch.int64, ctx.block_table.device)
         for chunk in plan:
             idx, cu, starts = chunk.gather_args(ctx.block_table.device)
             rows = kernels.gather_and_maybe_dequant_cache(
-                self.kv_cache, ctx.block_table[reqs_t[idx]], cu, starts, q.dtype, self._k_scale())
+                self.kv_cache, ctx.block_table[reqs_t[idx]], cu, starts, q.dtype, self._k_scale(),
+                total=chunk.num_rows)
             k_all, v_all = self._up_project(*rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1))
             for seg in chunk.segments:
                 b = reqs[seg.req]

@@ -99,7 +99,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
                                    seq_starts: torch.Tensor | None, out_dtype: torch.dtype,
                                    k_scale: float | torch.Tensor | None = None,
-                                   token_to_seq: torch.Tensor | None = None) -> torch.Tensor:
+                                   token_to_seq: torch.Tensor | None = None, total: int | None = None) -> torch.Tensor:
     """Gather cached rows for a batch of requests into a dense workspace.
 
     Args:
@@ -110,6 +110,8 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
             block-aligned.
         out_dtype: dtype of the result (always dequantized from fp8 with ``k_scale``).
         token_to_seq: [cu_seq_lens[-1]] int32, request of each output row (computed if None).
+        total: ``cu_seq_lens[-1]`` when the caller knows it (the Triton kernel then reads nothing on the
+            host; this reference still checks the table on the host).
     Returns:
         [cu_seq_lens[-1], *row_shape] in ``out_dtype``: row t holds request b = token_to_seq[t] at
         position t - cu_seq_lens[b] + seq_starts[b].
@@ -117,7 +119,7 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
         ValueError if a position lies beyond the request's block table.
     Semantics follow vLLM's gather_and_maybe_dequant_cache.
     """
-    total = int(cu_seq_lens[-1])
+    total = int(cu_seq_lens[-1]) if total is None else total
     num_reqs = cu_seq_lens.numel() - 1
     block_size = cache.shape[1]
     if total == 0:

@@ -78,3 +78,28 @@ def test_eager_uniform_step_does_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert res.ctx.uniform_decode and res.logits.shape[0] == len(sched.scheduled)
+
+
+def test_prefill_and_mixed_steps_do_not_sync():
+    """A chunked prefill step (the second chunk attends to cached context through the Triton gather) and
+    a mixed step (prefill chunk + decodes) run without a host sync as well."""
+    from longflash import SamplingParams
+    engine = LLM(speculative_config="off", max_num_seqs=8, max_num_batched_tokens=24, block_size=4, device="cuda",
+                 kv_cache_memory="1GiB").engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request(None, {"prompt_token_ids": list(range(5, 45))}, params)  # 40 tokens: two chunks
+    engine.step()
+    engine.add_request(None, {"prompt_token_ids": list(range(7, 20))}, params)
+    for _ in range(2):
+        sched = engine.scheduler.schedule(None)
+        assert uniform_query_len(sched.scheduled) is None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            res = engine.runner.execute(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for s in sched.scheduled:  # commit the step as the engine would (no sampling needed here)
+            s.seq.num_computed_tokens += s.num_new_tokens
+            engine.block_manager.cache_full_blocks(s.seq)
+        assert res.logits.shape[0] == sum(n for _, n in res.spans)

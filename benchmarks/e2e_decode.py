@@ -136,6 +136,38 @@ def hf_bench(model, prompts: dict[int, torch.Tensor], new_tokens: int, dev: torc
     return {"runs": res, "best": best}
 
 
+def kernel_profile(engine, prompts: list[list[int]], steps: int = 6) -> dict:
+    """Kernels per decode step and their GPU time against the step's wall time (torch.profiler, CUDA
+    activity; graph replays included), and the kernels taking most time: where a step's time goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from longflash.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(None, {"prompt_token_ids": p}, params)
+    engine.step()  # prefill
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    avgs = [a for a in prof.key_averages() if getattr(a, "device_type", None) == DeviceType.CUDA]
+
+    def dev_us(a):
+        return getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0)
+    total_us = sum(dev_us(a) for a in avgs)
+    top = sorted(avgs, key=dev_us, reverse=True)[:12]
+    return {"batch": len(prompts), "steps": steps, "wall_ms_per_step": 1e3 * wall,
+            "kernels_per_step": sum(a.count for a in avgs) / steps, "kernel_ms_per_step": total_us / 1e3 / steps,
+            "top": [{"kernel": a.key[:90], "per_step": a.count / steps, "us_per_step": dev_us(a) / steps}
+                    for a in top]}
+
+
 def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev: torch.device, peak_gbs: float,
                max_model_len: int, enforce_eager: bool) -> dict:
     from longflash.bench import run_offline
@@ -163,6 +195,11 @@ def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev
                        "roofline_fraction": m["bandwidth_roofline_fraction"], "output_tok_s": m["output_throughput"],
                        "mean_ttft_ms": m["mean_ttft_ms"], "decode_steps": m["decode_steps"]}
         print(f"longflash {'eager' if enforce_eager else 'graphs'} batch {b}: {json.dumps(out[str(b)])}", flush=True)
+        if dev.type == "cuda":
+            try:
+                out[str(b)]["profile"] = kernel_profile(engine, p.tolist())
+            except Exception as e:  # noqa: BLE001 — the profile is a diagnostic; the numbers above stand
+                out[str(b)]["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     del engine
     gc.collect()
     if dev.type == "cuda":
@@ -251,6 +288,14 @@ def main() -> int:
             if g and e:
                 lines.append(f"\nCUDA graphs vs eager at batch {b}: {g['decode_tok_s'] / e['decode_tok_s']:.2f}x")
     lines.append("\nGoals: roofline fraction >= 0.75 at batch 1; >= 5x HF generate.")
+    for key in ("longflash", "longflash_eager"):
+        for b in args.batch:
+            prof = res.get(key, {}).get(str(b), {}).get("profile")
+            if prof and "error" not in prof:
+                lines.append(f"\n{key} batch {b}: {prof['kernels_per_step']:.0f} kernels per decode step, "
+                             f"{prof['kernel_ms_per_step']:.3f} ms of kernel time in {prof['wall_ms_per_step']:.3f} ms; top: "
+                             + "; ".join(f"{t['kernel'][:40]} x{t['per_step']:.0f} {t['us_per_step']:.0f} us"
+                                         for t in prof["top"][:5]))
     md = "\n".join(lines)
     with open(os.path.join(args.out, "e2e_decode.json"), "w") as f:
         json.dump(res, f, indent=2)

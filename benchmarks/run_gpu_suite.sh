@@ -28,7 +28,7 @@ run mxfp4_moe 120 python3 benchmarks/mxfp4_moe.py --out "$R"
 run attn_res_harness 100 python3 benchmarks/attn_res_harness.py --out "$R"
 run kda 160 python3 benchmarks/kda.py --out "$R"
 run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py tests/test_kda_chunked_triton.py
-run cuda_graph_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe_grouped.py -k "graph or gpu or sync"
+run cuda_graph_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe_grouped.py tests/test_norm_triton.py -k "graph or gpu or sync"
 run e2e_decode 300 python3 benchmarks/e2e_decode.py --out "$R"
 run dflash_bench_code 90 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind code --max-num-seqs 16 --kv-cache-memory 8GiB --output-json "$R/dflash_bench_code.json"
 run dflash_bench_prose 90 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind prose --max-num-seqs 16 --kv-cache-memory 8GiB --output-json "$R/dflash_bench_prose.json"

@@ -1,0 +1,55 @@
+"""RMSNorm in one Triton kernel; same signature and result as :func:`longflash.layers.norm.rms_norm`.
+
+The reference is eight small elementwise/reduction launches per call (upcast, square, mean, add, rsqrt,
+multiply, downcast, weight); in a decode step of a few tokens each is launch-bound, and a model calls
+RMSNorm 4-5 times per layer. Here one program normalizes BLOCK_ROWS rows: fp32 mean of squares, fp32
+``x * rsqrt(mean + eps)``, rounded to x's dtype, then multiplied by the weight in x's dtype (the product
+of two bf16 values is exact in fp32, so the single rounding equals PyTorch's bf16 multiply). Only the
+mean's summation order differs from the reference. Used on CUDA tensors when the weight has x's dtype
+(``norm.RMSNorm``); anything else takes the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps,
+                     BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < n_rows
+    cmask = cols < D
+    m = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=1) / D
+    y = x * tl.math.rsqrt(ms + eps)[:, None]
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+    tl.store(out_ptr + r64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton version of :func:`longflash.layers.norm.rms_norm`: x [..., H], weight [H] of x's dtype.
+
+    Returns [..., H] in x's dtype. Raises ValueError when the weight's shape or dtype does not match."""
+    D = x.shape[-1]
+    if weight.shape != (D,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{D}] of x's dtype {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], D), dtype=x.dtype, device=x.device)
+    n = x2.shape[0]
+    if n == 0:
+        return out.view(x.shape)
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_ROWS = max(1, min(16, 4096 // BLOCK_D))
+    _rms_norm_kernel[(triton.cdiv(n, BLOCK_ROWS),)](x2, weight, out, n, D, x2.stride(0), out.stride(0), float(eps),
+                                                    BLOCK_D=BLOCK_D, BLOCK_ROWS=BLOCK_ROWS,
+                                                    num_warps=4 if BLOCK_D <= 2048 else 8)
+    return out.view(x.shape)

@@ -28,7 +28,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.weight.dtype == x.dtype:  # one launch instead of eight (decode is launch-bound)
+        # One launch instead of eight (decode is launch-bound); the kernel has no backward, so autograd
+        # (drafter training) keeps the reference.
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if x.is_cuda and self.weight.dtype == x.dtype and not needs_grad:
             from longflash.layers.norm_triton import rms_norm_triton
             return rms_norm_triton(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)

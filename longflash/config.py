@@ -153,14 +153,10 @@ class EngineConfig:
             raise ValueError(f"cp_kv_cache_interleave_size ({self.cp_kv_cache_interleave_size}) must be >= 1 and "
                              f"divide block_size ({self.block_size})")
         if tp != 1 or dcp != 1:
-            # Wired so far: DCP over the CPU (gloo) with every rank holding the full weights
-            # (tensor_parallel_size == decode_context_parallel_size); weight sharding comes later.
-            if tp != dcp:
-                raise NotImplementedError(f"tensor_parallel_size {tp} with decode_context_parallel_size {dcp}: "
-                                          "tensor parallelism (weight sharding) is not wired yet; DCP runs with "
-                                          "tensor_parallel_size == decode_context_parallel_size")
+            # Wired so far: tensor parallelism (weights sharded over tp ranks) with DCP groups of dcp
+            # consecutive ranks, over the CPU (gloo).
             if torch.device(self.device).type != "cpu":
-                raise NotImplementedError("decode-context parallelism is wired for the CPU (gloo) only so far")
+                raise NotImplementedError("tensor / decode-context parallelism is wired for the CPU (gloo) only so far")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from longflash.attention import ops
+from longflash.distributed.comm import GroupCoordinator
 from longflash.layers.norm import RMSNorm
+from longflash.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_evenly, tp_rank_of, tp_size_of
 from longflash.layers.rotary import RotaryEmbedding
 from longflash.runner.context import get_forward_context
 
@@ -19,18 +21,35 @@ class GQAAttention(nn.Module):
     dtype, bf16 or fp8 (one ``k_scale`` for K and V; ``calculate_kv_scales`` sets it on the first
     forward to amax / 200 and freezes it).
     forward: hidden [T, H] -> [T, H] (reads the forward context).
+
+    Tensor parallelism (``tp`` of N > 1 ranks): query heads split over the ranks (``q_proj``
+    column-parallel, ``o_proj`` row-parallel with an all-reduce); KV heads split too when N divides
+    them, else (N a multiple of the KV heads) each rank holds the one KV head its query heads use
+    (replicated, as in vLLM). ``num_heads``/``num_kv_heads`` are this rank's; the cache holds its KV heads.
+    Raises ValueError when the heads do not split.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding, rms_norm_eps: float, qk_norm: bool = True, bias: bool = False):
+                 rotary: RotaryEmbedding, rms_norm_eps: float, qk_norm: bool = True, bias: bool = False, *,
+                 tp: GroupCoordinator | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        n = tp_size_of(tp)
+        _, local_heads = split_evenly(num_heads, tp, "num_attention_heads")
+        if num_kv_heads % n == 0:
+            kv_shard = (tp_rank_of(tp) * (num_kv_heads // n) * head_dim, num_kv_heads // n * head_dim)
+        elif n % num_kv_heads == 0:
+            kv_shard = (tp_rank_of(tp) // (n // num_kv_heads) * head_dim, head_dim)
+        else:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({n}): one must divide "
+                             f"the other")
+        self.num_heads, self.num_kv_heads, self.head_dim = local_heads, kv_shard[1] // head_dim, head_dim
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, bias, tp=tp, what="num_attention_heads")
+        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, bias, tp=tp, shard=kv_shard)
+        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, bias, tp=tp, shard=kv_shard)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, tp=tp, what="num_attention_heads")
+        self.tp = tp
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -52,7 +71,10 @@ class GQAAttention(nn.Module):
         q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         fp8 = self.kv_cache.dtype == ops.FP8_DTYPE
         if self.calculate_kv_scales and fp8:
-            amax = float(torch.maximum(k.abs().max(), v.abs().max())) if T else 0.0
+            amax = torch.maximum(k.abs().max(), v.abs().max()).float().reshape(1) if T else k.new_zeros(1).float()
+            if tp_size_of(self.tp) > 1:  # every rank holds some KV heads: the scale of all of them
+                amax = self.tp.all_reduce(amax, op="max")
+            amax = float(amax)
             self.k_scale = amax / 200.0 if amax > 0 else 1.0
             self.k_scale_source = "calculated"
             self.calculate_kv_scales = False  # frozen from now on

@@ -18,8 +18,9 @@ from torch import nn
 from longflash.attention import ops
 from longflash.attention.chunked_context import DEFAULT_CONTEXT_WORKSPACE_ROWS, plan_context_chunks
 from longflash.distributed import dcp as dcp_ops
-from longflash.distributed.comm import get_parallel_state
+from longflash.distributed.comm import GroupCoordinator, get_parallel_state
 from longflash.layers.norm import RMSNorm
+from longflash.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_evenly
 from longflash.layers.rotary import RotaryEmbedding
 from longflash.runner.context import get_forward_context
 from longflash.runner.step_inputs import to_device_async
@@ -37,13 +38,21 @@ class MLAAttention(nn.Module):
     context that a prefill gathers and up-projects at once.
 
     forward: hidden [T, H] -> [T, H] (reads the forward context).
+
+    Tensor parallelism (``tp`` of N > 1 ranks; the issue's split): the heads are split over the ranks
+    (``num_heads`` is this rank's ``num_attention_heads / N``): ``q_proj``/``q_b_proj``, ``kv_b_proj``
+    and ``g_proj`` are column-parallel by heads, ``o_proj`` row-parallel with an all-reduce;
+    ``q_a_proj``, ``kv_a_proj_with_mqa`` and the norms are replicated, so every rank writes the same
+    latent rows (its DCP shard of them). Raises ValueError when N does not divide the heads.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rms_norm_eps: float,
                  rotary: RotaryEmbedding | None, softmax_scale: float, output_gate: bool = False,
-                 q_norm_eps: float | None = None):
+                 q_norm_eps: float | None = None, *, tp: GroupCoordinator | None = None):
         super().__init__()
+        self.total_num_heads = num_heads
+        _, num_heads = split_evenly(num_heads, tp, "num_attention_heads")
         self.num_heads = num_heads
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
@@ -54,17 +63,18 @@ class MLAAttention(nn.Module):
         self.scale = softmax_scale
         self.rotary = rotary
         eps = rms_norm_eps if q_norm_eps is None else q_norm_eps
+        Ht, w = self.total_num_heads, "num_attention_heads"
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden_size, Ht * self.qk_head_dim, tp=tp, what=w)
         else:
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
-            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, Ht * self.qk_head_dim, tp=tp, what=w)
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
-        self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False) if output_gate else None
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, Ht * (qk_nope_head_dim + v_head_dim), tp=tp, what=w)
+        self.o_proj = RowParallelLinear(Ht * v_head_dim, hidden_size, tp=tp, what=w)
+        self.g_proj = ColumnParallelLinear(hidden_size, Ht * v_head_dim, tp=tp, what=w) if output_gate else None
         self.kv_cache: torch.Tensor | None = None
         self.k_scale: float = 1.0
         self.k_scale_source: str = "default"
@@ -106,13 +116,13 @@ class MLAAttention(nn.Module):
         out = x.new_empty(T, self.num_heads, self.v_head_dim)
         w_uk, w_uv = self._w_uk_uv()
         qsl = ctx.query_start_loc_cpu
-        if ctx.uniform_decode:  # one batched call over the device tensors: no host loop, no sync (CUDA graphs)
+        if ctx.uniform_decode and get_parallel_state().dcp_size == 1:  # one batched sync-free call (CUDA graphs)
             out = self._decode_uniform(q_nope, q_pe, ctx, w_uk, w_uv)
+            decode_reqs = []
         else:
-            for b in range(ctx.num_reqs):
-                s, e = qsl[b], qsl[b + 1]
-                if ctx.is_decode[b] and e > s:
-                    out[s:e] = self._decode(q_nope[s:e], q_pe[s:e], b, ctx, w_uk, w_uv)
+            decode_reqs = [b for b in range(ctx.num_reqs) if ctx.is_decode[b] and qsl[b + 1] > qsl[b]]
+        if decode_reqs:
+            self._decode(q_nope, q_pe, decode_reqs, ctx, w_uk, w_uv, out)
         prefill_reqs = [b for b in range(ctx.num_reqs) if not ctx.is_decode[b] and qsl[b + 1] > qsl[b]]
         if prefill_reqs:
             self._prefill(q_nope, q_pe, kv_c, k_pe, prefill_reqs, ctx, out, kernels)
@@ -121,17 +131,35 @@ class MLAAttention(nn.Module):
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
 
-    def _decode(self, q_nope, q_pe, b, ctx, w_uk, w_uv) -> torch.Tensor:
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
-        q_abs = torch.cat([q_lat, q_pe], dim=-1)
+    def _decode(self, q_nope, q_pe, reqs: list[int], ctx, w_uk, w_uv, out: torch.Tensor) -> None:
+        """Absorbed attention of the decode/verify requests ``reqs``, written into their ``out`` rows.
+
+        Under DCP (the issue's decode): the absorbed queries of this rank's heads are all-gathered over
+        the DCP group (heads of the group), attended over this rank's KV shard with their LSE, combined by
+        LSE and reduce-scattered back to this rank's heads (``dcp.dcp_mla_decode``, ``gather_heads``);
+        an empty shard has weight exactly 0. All requests go in one call (one set of collectives).
+        """
+        qsl = ctx.query_start_loc_cpu
         ps = get_parallel_state()
-        if ps.dcp_size > 1:  # local shard + LSE combine over the DCP group (heads replicated)
+        if ps.dcp_size > 1:
+            rows = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in reqs]).to(q_nope.device)
+            q_lat = torch.einsum("thd,hdr->thr", q_nope[rows], w_uk)
+            q_abs = torch.cat([q_lat, q_pe[rows]], dim=-1)
+            cu = [0]
+            for b in reqs:
+                cu.append(cu[-1] + qsl[b + 1] - qsl[b])
+            bt = ctx.block_table[torch.tensor(reqs, device=ctx.block_table.device)]
             o_lat, _ = dcp_ops.dcp_mla_decode(
-                q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
-                self.scale, self.kv_lora_rank, ps.dcp, ps.cp_kv_cache_interleave_size, self._k_scale())
-            return torch.einsum("thr,hvr->thv", o_lat, w_uv)
-        o_lat, _ = self._decode_request(q_abs, ctx, b)
-        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+                q_abs, self.kv_cache, bt, cu, [ctx.seq_lens_cpu[b] for b in reqs], self.scale, self.kv_lora_rank,
+                ps.dcp, ps.cp_kv_cache_interleave_size, self._k_scale(), gather_heads=True)
+            out[rows] = torch.einsum("thr,hvr->thv", o_lat, w_uv)
+            return
+        for b in reqs:
+            s, e = qsl[b], qsl[b + 1]
+            q_lat = torch.einsum("thd,hdr->thr", q_nope[s:e], w_uk)
+            q_abs = torch.cat([q_lat, q_pe[s:e]], dim=-1)
+            o_lat, _ = self._decode_request(q_abs, ctx, b)
+            out[s:e] = torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def _decode_request(self, q_abs: torch.Tensor, ctx, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed attention of request b's queries ``q_abs`` [q_len, H, W] (one process). On a GPU the
@@ -163,12 +191,13 @@ class MLAAttention(nn.Module):
         cached context [0, context_len) attends non-causally through workspace chunks of at most
         ``context_workspace_rows`` rows (``chunked_context.plan_context_chunks``), dequantized by the
         gather; the partial results merge by LSE.
-        Under DCP every rank computes the new tokens in full; the context part runs over this rank's
-        shard (local lengths, same block table), and the per-rank context results are combined by LSE
-        over the DCP group before the merge with the new-token part (non-causal context, so the key
-        split across ranks needs no reordering).
+        Under DCP (the spec's wire format): the chunks are planned over the per-rank padded local
+        lengths ``cdiv(ctx, dcp·I)·I`` (the same plan on every rank, ``max(block_size, W // dcp)`` local
+        rows per chunk); each rank gathers (and dequantizes) its shard's rows of a chunk, the 576-wide
+        latents are all-gathered over the DCP group, the rows past each rank's true local length are
+        dropped, and the rest (rank-major order: fine for non-causal attention, k_pe carries RoPE) are
+        up-projected with this rank's heads and attended as in one process. No head exchange is needed.
         """
-        H, nope, vd = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
         qsl = ctx.query_start_loc_cpu
         q = torch.cat([q_nope, q_pe], dim=-1)
         run_out: dict[int, torch.Tensor] = {}
@@ -179,38 +208,38 @@ class MLAAttention(nn.Module):
             run_out[b], run_lse[b] = ops.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=0)
         ctx_lens = [ctx.context_lens_cpu[b] for b in reqs]
         ps = get_parallel_state()
+        bs = self.kv_cache.shape[1]
         sharded = ps.dcp_size > 1 and sum(ctx_lens) > 0
         if sharded:
-            ctx_lens = dcp_ops.dcp_local_seq_lens(ctx_lens, ps.dcp_size, ps.cp_kv_cache_interleave_size)[
-                :, ps.dcp_rank].tolist()
-            final_out, final_lse = run_out, run_lse
-            run_out = {b: q.new_zeros(qsl[b + 1] - qsl[b], H, vd) for b in reqs}
-            run_lse = {b: torch.full((qsl[b + 1] - qsl[b], H), float("-inf"), device=q.device) for b in reqs}
-        plan = plan_context_chunks(ctx_lens, self.context_workspace_rows, self.kv_cache.shape[1])
+            R, I = ps.dcp_size, ps.cp_kv_cache_interleave_size
+            true_local = dcp_ops.dcp_local_seq_lens(ctx_lens, R, I).tolist()         # [B][R]
+            plan = plan_context_chunks([dcp_ops.dcp_padded_local_len(c, R, I) for c in ctx_lens],
+                                       max(bs, self.context_workspace_rows // R), bs)
+        else:
+            plan = plan_context_chunks(ctx_lens, self.context_workspace_rows, bs)
         reqs_t = to_device_async(reqs, torch.int64, ctx.block_table.device)
         for chunk in plan:
             idx, cu, starts = chunk.gather_args(ctx.block_table.device)
             rows = kernels.gather_and_maybe_dequant_cache(
                 self.kv_cache, ctx.block_table[reqs_t[idx]], cu, starts, q.dtype, self._k_scale(),
                 total=chunk.num_rows)
+            spans = [(seg.offset, seg.offset + seg.length) for seg in chunk.segments]
+            if sharded:
+                n = rows.shape[0]
+                keep = [dcp_ops.dcp_gathered_rows(seg.start, seg.length, seg.offset, true_local[seg.req], n)
+                        for seg in chunk.segments]
+                spans, r0 = [], 0
+                for kp in keep:
+                    spans.append((r0, r0 + kp.numel()))
+                    r0 += kp.numel()
+                rows = ps.dcp.all_gather(rows, dim=0)[torch.cat(keep).to(rows.device)]
             k_all, v_all = self._up_project(*rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1))
-            for seg in chunk.segments:
+            for seg, (r0, r1) in zip(chunk.segments, spans):
                 b = reqs[seg.req]
                 s, e = qsl[b], qsl[b + 1]
-                r0, r1 = seg.offset, seg.offset + seg.length
                 o, lse = ops.attention_with_lse(q[s:e], k_all[r0:r1], v_all[r0:r1], self.scale, causal_offset=None)
                 run_out[b], run_lse[b] = kernels.merge_attn_states(o, lse, run_out[b], run_lse[b])
             del rows, k_all, v_all
-        if sharded:
-            o, lse = dcp_ops.dcp_decode_combine_group(torch.cat([run_out[b] for b in reqs]),
-                                                      torch.cat([run_lse[b] for b in reqs]), ps.dcp)
-            r0 = 0
-            for b in reqs:
-                r1 = r0 + qsl[b + 1] - qsl[b]
-                final_out[b], final_lse[b] = kernels.merge_attn_states(o[r0:r1], lse[r0:r1], final_out[b],
-                                                                       final_lse[b])
-                r0 = r1
-            run_out = final_out
         for b in reqs:
             out[qsl[b]:qsl[b + 1]] = run_out[b]
 

@@ -132,10 +132,13 @@ class GroupCoordinator:
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place; returns ``x``."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (``op="sum"``) or maximum (``op="max"``) over the group, in place; returns ``x``.
+        ``x`` must be contiguous. Raises ValueError for another ``op``."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"all_reduce op must be 'sum' or 'max', got {op!r}")
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -191,6 +194,14 @@ class ParallelState:
     cp_kv_cache_interleave_size: int = 1
 
     @property
+    def tp_rank(self) -> int:
+        return self.tp.rank_in_group
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.world_size
+
+    @property
     def dcp_rank(self) -> int:
         return self.dcp.rank_in_group
 
@@ -210,6 +221,21 @@ def dcp_group_ranks(tp_size: int, dcp_size: int) -> list[list[int]]:
 def single_process_state() -> ParallelState:
     """TP 1, DCP 1: no process group needed."""
     return ParallelState(GroupCoordinator([0], 0), GroupCoordinator([0], 0))
+
+
+def planned_tp_group(tp_size: int, rank: int | None = None) -> GroupCoordinator:
+    """This rank's TP group before ``init_distributed`` has run (to build its weight shards first).
+
+    ``rank`` defaults to torchrun's ``RANK`` or 0. The coordinator's process group is None, i.e. the
+    default group: the TP group is always the whole world, so its collectives work once
+    ``init_distributed`` has joined it. Raises ValueError for a rank outside [0, tp_size).
+    """
+    if rank is None:
+        env = DistEnv.from_torchrun_env()
+        rank = env.rank if env is not None else 0
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} outside [0, tensor_parallel_size={tp_size})")
+    return GroupCoordinator(list(range(tp_size)), rank, None)
 
 
 _state: ParallelState | None = None

@@ -91,6 +91,26 @@ def dcp_local_seq_lens(seq_lens: torch.Tensor | list[int], dcp_size: int, interl
     return base[:, None] + (rem[:, None] - r[None, :] * interleave).clamp(0, interleave)
 
 
+def dcp_padded_local_len(context_len: int, dcp_size: int, interleave: int = 1) -> int:
+    """Rows every rank gathers for a context of ``context_len`` tokens: ``cdiv(L, dcp·I)·I``, the largest
+    local length (spec: "per-rank padded length"); rows past a rank's true local length are garbage."""
+    return -(-context_len // (dcp_size * interleave)) * interleave
+
+
+def dcp_gathered_rows(start: int, length: int, offset: int, local_lens: list[int], rows_per_rank: int) -> torch.Tensor:
+    """Indices of the real rows of one context segment in a DCP all-gathered workspace.
+
+    Each rank gathered local rows ``[start, start + length)`` of a request into its rows
+    ``[offset, offset + length)`` of a ``rows_per_rank``-row workspace; the all-gather put rank r's
+    workspace at rows ``[r·rows_per_rank, (r+1)·rows_per_rank)``. Rank r holds ``local_lens[r]`` true rows
+    of the request, so rows ``j >= local_lens[r] - start`` are padding and are left out.
+    Returns int64 [number of real rows], rank-major, ascending within a rank.
+    """
+    parts = [r * rows_per_rank + offset + torch.arange(max(0, min(length, n - start)), dtype=torch.int64)
+             for r, n in enumerate(local_lens)]
+    return torch.cat(parts)
+
+
 def dcp_local_to_global(local_idx: torch.Tensor, dcp_size: int, dcp_rank: int, interleave: int = 1) -> torch.Tensor:
     """Absolute position of local row j on ``dcp_rank``: ``((j // I) * dcp + rank) * I + j % I``."""
     j = local_idx.long()
@@ -222,10 +242,21 @@ def dcp_decode_combine_group(out_local: torch.Tensor, lse_local: torch.Tensor, g
 
 def dcp_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: list[int],
                    seq_lens: list[int], scale: float, kv_lora_rank: int, group, interleave: int = 1,
-                   k_scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """DCP absorbed decode with all heads on every rank: attend over the local shard
-    (:func:`mla_decode_attention_local`) and combine over ``group``. Same result on every rank:
-    out [T, H, kv_lora_rank], lse [T, H]."""
+                   k_scale: float | torch.Tensor | None = None,
+                   gather_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DCP absorbed decode/verify over ``group`` (a ``comm.GroupCoordinator`` of the DCP ranks).
+
+    ``gather_heads=False``: q [T, H, W] holds all heads on every rank; attend over the local shard
+    (:func:`mla_decode_attention_local`) and combine by all-reduce; every rank gets out [T, H,
+    kv_lora_rank], lse [T, H].
+    ``gather_heads=True`` (tensor parallelism, the spec's decode): q [T, h, W] holds this rank's h heads;
+    the DCP group's query heads are all-gathered ([T, h * R, W], rank order), attended over the local
+    shard, combined by LSE and reduce-scattered over heads, so this rank gets its own heads back:
+    out [T, h, kv_lora_rank], lse [T, h]. Every rank of the group must call it with the same T and h.
+    A rank with an empty shard contributes exactly 0 (:func:`dcp_decode_combine_group`).
+    """
+    if gather_heads:
+        q = group.all_gather(q, dim=1)
     o, l = mla_decode_attention_local(q, kv_cache, block_table, query_start_loc, seq_lens, scale, kv_lora_rank,
                                       group.world_size, group.rank_in_group, interleave, k_scale)
-    return dcp_decode_combine_group(o, l, group)
+    return dcp_decode_combine_group(o, l, group, scatter_heads=gather_heads)

@@ -101,6 +101,9 @@ def start_dcp(engine) -> DCPModelRunner:
     """
     cfg = engine.config
     world = cfg.tensor_parallel_size
+    if cfg.decode_context_parallel_size > 1 and engine.model.kv_cache_spec().num_planes != 1:
+        raise NotImplementedError("decode-context parallelism needs an MLA model (latent cache); this model has "
+                                  "a K/V cache (GQA): run it with decode_context_parallel_size 1")
     env = comm.DistEnv.from_torchrun_env()
     procs = []
     if env is not None:

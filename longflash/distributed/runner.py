@@ -112,11 +112,13 @@ class DCPModelRunner(ModelRunner):
 
     def execute(self, sched, all_logits: bool = False, tapper=None, proposer=None):
         self._capture = proposer is not None
+        self._all_logits = all_logits  # the workers compute the same logit rows (vocab-parallel LM head)
         return super().execute(sched, all_logits, tapper, proposer)
 
     def prepare(self, sched):
         input_ids, ctx, spans = super().prepare(sched)
         mirror = DraftMirror(self._take_commits(), [], self._capture) if self.proposer is not None else None
+        ctx.extras["all_logits"] = getattr(self, "_all_logits", False)
         self.channel.post((input_ids, ctx, mirror))
         return input_ids, self.localize(ctx), spans
 
@@ -166,11 +168,13 @@ class DCPModelRunner(ModelRunner):
             with set_forward_context(ctx):
                 if mirror is not None and mirror.capture:
                     with self.proposer.capture(input_ids.shape[0]) as holder:
-                        self.model(input_ids)
+                        hidden = self.model(input_ids)
                     self._last = (holder.fc_out(), ctx)
                 else:
-                    self.model(input_ids)
+                    hidden = self.model(input_ids)
                     self._last = None
+                # The LM head is vocab-parallel (a collective): compute the rows rank 0 computes.
+                self.model.compute_logits(hidden if ctx.extras.get("all_logits") else hidden[ctx.logits_indices])
 
     def shutdown(self) -> None:
         """Rank 0: tell the workers to exit."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longflash.config import EngineConfig, resolve_dtype
+from longflash.distributed import comm
 from longflash.engine.block_manager import BlockManager
 from longflash.engine.scheduler import Scheduler
 from longflash.engine.sequence import Sequence
@@ -94,7 +95,9 @@ class LLMEngine:
         model_cfg = load_config(config.model)
         self.dtype = resolve_dtype(config.dtype, model_cfg.get("torch_dtype") or model_cfg.get("dtype"), self.device)
         torch.manual_seed(config.seed)
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        # Tensor parallelism: this rank (0, or torchrun's RANK) builds and reads only its weight shards.
+        tp = comm.planned_tp_group(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
         self.load_time = time.perf_counter() - t0
         self.tokenizer = None
         if not config.skip_tokenizer_init:
@@ -155,7 +158,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         if self.proposer is not None:  # before start_dcp: a torchrun worker rank serves from inside it
             self.proposer.allocate(self.num_blocks, bs * dcp)
-        if dcp > 1:  # rank 0 of the DCP process model; starts (or, under torchrun, becomes) the workers
+        if config.tensor_parallel_size > 1:  # rank 0 of the TP/DCP process model; starts (or becomes) the workers
             from longflash.distributed.engine import start_dcp
             self.runner = start_dcp(self)
         else:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longflash.distributed.comm import GroupCoordinator
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.norm import RMSNorm
 
@@ -83,21 +84,32 @@ class MoE(nn.Module):
     (``routed_expert_down_proj`` → experts → ``routed_expert_norm`` → ``routed_expert_up_proj``).
 
     The router always sees the un-projected x. x [T, H] -> [T, H].
+    Tensor parallelism (``tp`` of N > 1 ranks): tensor-parallel experts, i.e. every routed and shared
+    expert's intermediate features are split over the ranks (router, latent projections and norm
+    replicated); the routed partial sums are all-reduced once per layer (before the latent norm when
+    there is one), the shared experts' with them or separately.
     ``experts``, when given, replaces the bf16 ``nn.ModuleList`` of ``GatedMLP`` routed experts with a module
     called as ``experts(h, topk_weights, topk_ids) -> [T, latent]`` (e.g. ``MXFP4Experts``, packed weights).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, moe_intermediate_size: int, router: TopkRouter,
                  act_and_mul: Callable, num_shared_experts: int = 0, latent_size: int | None = None,
-                 latent_norm: bool = False, rms_norm_eps: float = 1e-6, experts: nn.Module | None = None):
+                 latent_norm: bool = False, rms_norm_eps: float = 1e-6, experts: nn.Module | None = None, *,
+                 tp: GroupCoordinator | None = None):
         super().__init__()
         self.gate = router
         expert_width = latent_size or hidden_size
         self.grouped_experts = experts is not None
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        if self.tp is not None and experts is not None:
+            raise NotImplementedError("tensor parallelism with packed (MXFP4) routed experts is not implemented; "
+                                      "run this checkpoint with tensor_parallel_size 1")
+        # NOTE: under TP every expert (and the shared experts) returns its partial sum; forward reduces.
         self.experts = experts if experts is not None else nn.ModuleList(
-            GatedMLP(expert_width, moe_intermediate_size, act_and_mul) for _ in range(num_experts))
-        self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts, act_and_mul)
-                               if num_shared_experts else None)
+            GatedMLP(expert_width, moe_intermediate_size, act_and_mul, tp=self.tp, reduce=False)
+            for _ in range(num_experts))
+        self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts, act_and_mul,
+                                        tp=self.tp, reduce=False) if num_shared_experts else None)
         self.latent_size = latent_size
         if latent_size:
             self.routed_expert_down_proj = nn.Linear(hidden_size, latent_size, bias=False)
@@ -123,12 +135,18 @@ class MoE(nn.Module):
         else:
             y = run_experts(h, self.experts, topk_weights, topk_ids)
         if self.latent_size:
+            if self.tp is not None:  # the norm needs the whole routed sum
+                y = self.tp.all_reduce(y)
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
+            if self.shared_experts is not None:
+                s = self.shared_experts(x)
+                y = y + (self.tp.all_reduce(s) if self.tp is not None else s)
+            return y
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y
+        return self.tp.all_reduce(y) if self.tp is not None else y
 
 
 def is_kimi_moe_layer(cfg: dict, layer_idx: int) -> bool:

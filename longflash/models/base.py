@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from longflash.layers.parallel import VocabParallelEmbedding
+
 
 @dataclass
 class KVCacheSpec:
@@ -37,12 +39,13 @@ class DecoderStack(nn.Module):
     """``embed_tokens`` → pre-norm residual layers → ``norm`` (DeepSeek-V3, Qwen3, Kimi-Linear).
 
     Each layer maps hidden [T, H] -> [T, H]. forward(input_ids [T]) -> final-normed hidden [T, H].
+    ``embed_tokens`` is vocab-parallel over ``tp`` (None: the full table).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, layers, rms_norm_eps: float):
+    def __init__(self, vocab_size: int, hidden_size: int, layers, rms_norm_eps: float, tp=None):
         super().__init__()
         from longflash.layers.norm import RMSNorm
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, tp=tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
 
@@ -55,7 +58,12 @@ class DecoderStack(nn.Module):
 
 class CausalLM(nn.Module):
     """Base class: subclasses define ``model`` (with ``embed_tokens``, ``layers``, ``norm``) and
-    ``lm_head``, ``kv_cache_spec()``, and may override ``remap_checkpoint_name``."""
+    ``lm_head``, ``kv_cache_spec()``, and may override ``remap_checkpoint_name``.
+
+    Under tensor parallelism (``layers.parallel.model_tp_group()`` at construction) the weights are
+    this rank's shards, ``forward`` and ``compute_logits`` are collectives over the TP group (every rank
+    calls them with the same shapes), and their results are replicated on every rank.
+    """
 
     config: dict
 

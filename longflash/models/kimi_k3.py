@@ -23,6 +23,7 @@ from longflash.layers.mlp import GatedMLP
 from longflash.layers.moe import MoE, is_kimi_moe_layer, kimi_router
 from longflash.layers.mxfp4 import MXFP4Experts, check_mxfp4_quant_config, routed_experts_packed
 from longflash.layers.norm import RMSNorm
+from longflash.layers.parallel import ParallelLMHead, VocabParallelEmbedding, model_tp_group
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters
 from longflash.models.attn_res_plan import ATTN_MIX, MLP_MIX, attn_res_plan, execute_plan
 from longflash.models.base import CausalLM, KVCacheSpec
@@ -57,14 +58,14 @@ class KimiK3DecoderLayer(nn.Module):
     """One decoder layer: gated MLA, dense (``mlp``) or latent MoE (``block_sparse_moe``) FFN, and
     its AttnRes weights ``self_attention_res_{norm,proj}`` and ``mlp_res_{norm,proj}``."""
 
-    def __init__(self, cfg: dict, layer_idx: int, rotary: RotaryEmbedding | None, is_kda: bool = False):
+    def __init__(self, cfg: dict, layer_idx: int, rotary: RotaryEmbedding | None, is_kda: bool = False, tp=None):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
         self.self_attn = make_kda(cfg) if is_kda else MLAAttention(
             H, cfg["num_attention_heads"], cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
             cfg["qk_rope_head_dim"], cfg["v_head_dim"], eps, rotary,
             (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5,
-            output_gate=cfg.get("mla_use_output_gate", True))
+            output_gate=cfg.get("mla_use_output_gate", True), tp=tp)
         act = get_act_and_mul(cfg)
         n_exp = cfg.get("num_experts") or 0
         self.is_moe = is_kimi_moe_layer(cfg, layer_idx)
@@ -79,9 +80,9 @@ class KimiK3DecoderLayer(nn.Module):
                                        if act_name == "situ" else ())
             self.block_sparse_moe = MoE(H, n_exp, cfg["moe_intermediate_size"], router, act,
                                         cfg.get("num_shared_experts", 0) or 0, cfg.get("routed_expert_hidden_size"),
-                                        cfg.get("latent_moe_use_norm", True), eps, experts=experts)
+                                        cfg.get("latent_moe_use_norm", True), eps, experts=experts, tp=tp)
         else:
-            self.mlp = GatedMLP(H, cfg["intermediate_size"], act)
+            self.mlp = GatedMLP(H, cfg["intermediate_size"], act, tp=tp)
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.self_attention_res_norm = RMSNorm(H, eps)
@@ -95,7 +96,10 @@ class KimiK3DecoderLayer(nn.Module):
 
 
 class KimiK3Model(nn.Module):
-    def __init__(self, cfg: dict):
+    """Embedding, decoder layers, Block AttnRes mixers and final norm; sharded over ``tp`` (None: one
+    process; the AttnRes mixers act on the replicated hidden states)."""
+
+    def __init__(self, cfg: dict, tp=None):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
         rotary = None
@@ -103,9 +107,10 @@ class KimiK3Model(nn.Module):
             rotary = RotaryEmbedding(cfg["qk_rope_head_dim"], rope_parameters(cfg),
                                      cfg.get("max_position_embeddings", 4096),
                                      interleave=cfg.get("rope_interleave", False))
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], H)
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], H, tp=tp)
         kda = kda_layer_ids(cfg)
-        self.layers = nn.ModuleList(KimiK3DecoderLayer(cfg, i, rotary, i in kda) for i in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(cfg, i, rotary, i in kda, tp)
+                                    for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(H, eps)
         self.output_attn_res_norm = RMSNorm(H, eps)
         self.output_attn_res_proj = nn.Linear(H, 1, bias=False)
@@ -144,7 +149,7 @@ class KimiK3Model(nn.Module):
 
         res = execute_plan(self.attn_res_schedule, self.attn_res_storage, input_ids.shape[0], weight.shape[1],
                            weight.dtype, weight.device,
-                           embed=lambda out: torch.index_select(weight, 0, input_ids, out=out),
+                           embed=lambda out: self.embed_tokens(input_ids, out=out),
                            mix=mix, attn=attn, mlp=mlp, reuse=self.attn_res_reuse)
         return self.norm(res.y)
 
@@ -158,8 +163,9 @@ class KimiK3ForCausalLM(CausalLM):
         check_supported(cfg)
         self.config = cfg
         self.nested = "text_config" in config
-        self.model = KimiK3Model(cfg)
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        tp = model_tp_group()
+        self.model = KimiK3Model(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg["hidden_size"], cfg["vocab_size"], tp=tp)
         self._warned_towers = False
 
     def kv_cache_spec(self) -> KVCacheSpec:

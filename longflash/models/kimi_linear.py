@@ -21,6 +21,7 @@ from longflash.layers.kda import KimiDeltaAttention
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.moe import MoE, is_kimi_moe_layer, kimi_router
 from longflash.layers.norm import RMSNorm
+from longflash.layers.parallel import ParallelLMHead, model_tp_group
 from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec
 
 
@@ -40,6 +41,11 @@ def kda_layer_ids(cfg: dict) -> set[int]:
 
 
 def make_kda(cfg: dict) -> KimiDeltaAttention:
+    """A KDA layer from ``linear_attn_config``. Raises NotImplementedError under tensor parallelism
+    (KDA heads are not sharded yet)."""
+    if model_tp_group() is not None:
+        raise NotImplementedError("tensor parallelism for models with KDA (linear attention) layers is not "
+                                  "implemented; run with tensor_parallel_size 1")
     lac = cfg["linear_attn_config"]
     return KimiDeltaAttention(cfg["hidden_size"], lac["num_heads"], lac["head_dim"], lac.get("short_conv_kernel_size", 4),
                               cfg.get("rms_norm_eps", 1e-5), bool(lac.get("use_full_rank_gate", False)),
@@ -51,7 +57,7 @@ def mla_kv_cache_spec(cfg: dict, num_mla_layers: int) -> KVCacheSpec:
 
 
 class KimiLinearDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, layer_idx: int, is_kda: bool):
+    def __init__(self, cfg: dict, layer_idx: int, is_kda: bool, tp=None):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
         if is_kda:
@@ -64,14 +70,14 @@ class KimiLinearDecoderLayer(nn.Module):
                 H, cfg["num_attention_heads"], cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
                 cfg["qk_rope_head_dim"], cfg["v_head_dim"], 1e-6, None,
                 (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5,
-                output_gate=cfg.get("mla_use_output_gate", False))
+                output_gate=cfg.get("mla_use_output_gate", False), tp=tp)
         act = get_act_and_mul(cfg)
         self.is_moe = is_kimi_moe_layer(cfg, layer_idx)
         if self.is_moe:
             self.block_sparse_moe = MoE(H, cfg["num_experts"], cfg["moe_intermediate_size"], kimi_router(cfg), act,
-                                        cfg.get("num_shared_experts", 0) or 0)
+                                        cfg.get("num_shared_experts", 0) or 0, tp=tp)
         else:
-            self.mlp = GatedMLP(H, cfg["intermediate_size"], act)
+            self.mlp = GatedMLP(H, cfg["intermediate_size"], act, tp=tp)
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
 
@@ -81,10 +87,11 @@ class KimiLinearDecoderLayer(nn.Module):
         return x + (self.block_sparse_moe(h) if self.is_moe else self.mlp(h))
 
 
-def build_kimi_linear_stack(cfg: dict) -> DecoderStack:
+def build_kimi_linear_stack(cfg: dict, tp=None) -> DecoderStack:
+    """Embedding, decoder layers and final norm; sharded over ``tp`` (None: one process)."""
     kda = kda_layer_ids(cfg)
-    layers = [KimiLinearDecoderLayer(cfg, i, i in kda) for i in range(cfg["num_hidden_layers"])]
-    return DecoderStack(cfg["vocab_size"], cfg["hidden_size"], layers, cfg.get("rms_norm_eps", 1e-5))
+    layers = [KimiLinearDecoderLayer(cfg, i, i in kda, tp) for i in range(cfg["num_hidden_layers"])]
+    return DecoderStack(cfg["vocab_size"], cfg["hidden_size"], layers, cfg.get("rms_norm_eps", 1e-5), tp)
 
 
 class KimiLinearForCausalLM(CausalLM):
@@ -93,8 +100,9 @@ class KimiLinearForCausalLM(CausalLM):
     def __init__(self, config: dict):
         super().__init__()
         self.config = dict(config)
-        self.model = build_kimi_linear_stack(self.config)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        tp = model_tp_group()
+        self.model = build_kimi_linear_stack(self.config, tp)
+        self.lm_head = ParallelLMHead(config["hidden_size"], config["vocab_size"], tp=tp)
         self.num_mla_layers = config["num_hidden_layers"] - len(kda_layer_ids(config))
 
     def kv_cache_spec(self) -> KVCacheSpec:

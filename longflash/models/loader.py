@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from longflash.layers.parallel import tp_group_for_build
 from longflash.models.base import CausalLM
 from longflash.models.registry import get_model_class, resolve_architecture
 
@@ -69,10 +71,56 @@ def iterate_tensors(files: list[str], progress: bool = True) -> Iterator[tuple[s
     bar.close()
 
 
-def build_model(config: dict, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Instantiate the registered model for ``config`` without initialising weights."""
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``shape``; ``full()`` reads it, ``narrow(dim,
+    start, length)`` reads only that slice (``safe_open(...).get_slice``), so a tensor-parallel rank never
+    materializes the whole tensor. Valid while the file it came from is open (during iteration)."""
+
+    def __init__(self, handle, key: str):
+        self._handle, self._key = handle, key
+        self._slice = handle.get_slice(key)
+        self.shape = tuple(self._slice.get_shape())
+
+    def full(self) -> torch.Tensor:
+        return self._handle.get_tensor(self._key)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+def iterate_lazy_tensors(files: list[str], progress: bool = True) -> Iterator[tuple[str, LazyTensor]]:
+    """Like :func:`iterate_tensors`, yielding :class:`LazyTensor` handles instead of loaded tensors."""
+    n = 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            n += len(f.keys())
+    bar = tqdm(total=n, desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, LazyTensor(f, key)
+                bar.update(1)
+    bar.close()
+
+
+def _tp_shards(model: CausalLM) -> dict[str, tuple[int, int, int, int]]:
+    """Parameter name -> (dim, start, length, full size) of this rank's slice, from the modules'
+    ``tp_shards`` (``layers/parallel.py``); absent for replicated parameters."""
+    return {f"{mname}.{pname}" if mname else pname: spec for mname, m in model.named_modules()
+            for pname, spec in getattr(m, "tp_shards", {}).items()}
+
+
+_FROM_STATE = object()
+
+
+def build_model(config: dict, dtype: torch.dtype, device: torch.device, tp=_FROM_STATE) -> CausalLM:
+    """Instantiate the registered model for ``config`` without initialising weights.
+
+    ``tp``: the ``comm.GroupCoordinator`` whose rank's shards to build (None: the full model); by
+    default the TP group of ``comm.get_parallel_state()``."""
     cls = get_model_class(resolve_architecture(config))
-    with torch.device("meta"):
+    scope = contextlib.nullcontext() if tp is _FROM_STATE else tp_group_for_build(tp)
+    with torch.device("meta"), scope:
         model = cls(config)
     model = model.to(dtype=dtype)
     for m in model.modules():  # routers stay fp32 (HF keeps them fp32 too)
@@ -124,22 +172,25 @@ def _load_into_sink(sinks: dict, name: str, ckpt_name: str, tensor: torch.Tensor
     return False
 
 
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model's parameters.
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor | LazyTensor]]) -> None:
+    """Copy checkpoint tensors (loaded, or :class:`LazyTensor` handles) into the model's parameters.
 
-    Raises ModelLoadError naming a tensor whose shape differs from the model's, or a parameter the
-    checkpoint does not provide. Unknown tensors are skipped with one warning line.
+    A tensor-parallel parameter (``tp_shards``) receives only its slice of the checkpoint tensor (read
+    alone from a LazyTensor); rows of a padded vocab shard past the vocabulary are zeroed.
+    Raises ModelLoadError naming a tensor whose shape differs from the model's (the full, unsharded
+    shape), or a parameter the checkpoint does not provide. Unknown tensors are skipped with one warning line.
     Modules with a ``load_checkpoint_tensor(relative_name, tensor)`` hook (stacked, packed weights such as
     ``MXFP4Experts``) receive the tensors under their name and report theirs missing through
     ``missing_checkpoint_tensors()``.
     """
     params = dict(model.named_parameters())
+    shards = _tp_shards(model)
     sinks = {n: m for n, m in model.named_modules() if hasattr(m, "load_checkpoint_tensor")}
     loaded: set[str] = set()
     unexpected: list[str] = []
     for ckpt_name, tensor in tensors:
         if ckpt_name.endswith(KV_SCALE_SUFFIXES):
-            if not load_kv_scale(model, ckpt_name, tensor):
+            if not load_kv_scale(model, ckpt_name, tensor.full() if isinstance(tensor, LazyTensor) else tensor):
                 unexpected.append(ckpt_name)
             continue
         name = model.remap_checkpoint_name(ckpt_name)
@@ -147,15 +198,27 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
             continue
         param = params.get(name)
         if param is None:
-            if sinks and _load_into_sink(sinks, name, ckpt_name, tensor):
+            full = tensor.full() if isinstance(tensor, LazyTensor) and sinks else tensor
+            if sinks and _load_into_sink(sinks, name, ckpt_name, full):
                 continue
             unexpected.append(ckpt_name)
             continue
-        if tuple(tensor.shape) != tuple(param.shape):
+        shard = shards.get(name)
+        expected = list(param.shape)
+        if shard is not None:
+            expected[shard[0]] = shard[3]
+        if list(tensor.shape) != expected:
             raise ModelLoadError(f"tensor {ckpt_name!r} has shape {list(tensor.shape)} in the checkpoint, "
-                                 f"expected {list(param.shape)}")
+                                 f"expected {expected}")
+        if shard is None:
+            src, dst = (tensor.full() if isinstance(tensor, LazyTensor) else tensor), param
+        else:
+            dim, start, length, _ = shard
+            src, dst = tensor.narrow(dim, start, length), param.narrow(dim, 0, length)
         with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
+            if dst.shape != param.shape:
+                param.zero_()
+            dst.copy_(src.to(param.dtype))
         loaded.add(name)
     loaded = model.tie_weights_if_needed(loaded)
     missing = [n for n in params if n not in loaded]
@@ -167,10 +230,13 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
         logger.warning("skipped %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[0])
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progress: bool = True) -> tuple[CausalLM, dict]:
-    """Config + weights -> an eval-mode model on ``device``. Raises ModelLoadError / ValueError."""
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
+               tp=_FROM_STATE) -> tuple[CausalLM, dict]:
+    """Config + weights -> an eval-mode model on ``device``. Under tensor parallelism (``tp``, by default
+    the TP group of ``comm.get_parallel_state()``) only this rank's shards are built and read.
+    Raises ModelLoadError / ValueError."""
     config = load_config(model_dir)
     files = safetensors_files(model_dir)
-    model = build_model(config, dtype, device)
-    load_weights(model, iterate_tensors(files, progress))
+    model = build_model(config, dtype, device, tp)
+    load_weights(model, iterate_lazy_tensors(files, progress))
     return model.eval(), model.config  # the text config for nested (multimodal) checkpoints

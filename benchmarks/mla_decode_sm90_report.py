@@ -28,7 +28,8 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from longflash.attention import triton_mla_decode as m  # noqa: E402
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTXAS = os.path.join(BIN, "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
 
 
@@ -41,15 +42,19 @@ def _compile(fn, sig: dict, const: dict, div: list[str], num_warps: int, num_sta
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def stage1(fp8: bool, cfg: dict, split: bool = True, qdt: str = "bf16", has_vis: bool = False, R=512, P=64):
+def stage1(fp8: bool, cfg: dict, split: bool = True, qdt: str = "bf16", has_vis: bool = False, R=512, P=64,
+           block_size: int = 16):
     sig = {"q_ptr": f"*{qdt}", "cache_ptr": "*u8" if fp8 else f"*{qdt}", "bt_ptr": "*i32", "qsl_ptr": "*i32",
            "kvlen_ptr": "*i32", "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{qdt}", "lse_ptr": "*fp32",
-           "H": "i32", "block_size": "i32", "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32",
+           "H": "i32", "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32",
            "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32"}
+    f16 = bool(cfg.get("F16")) and fp8 and qdt != "fp32"
     const = dict(R=R, P=P, BLOCK_R=triton.next_power_of_2(R), BLOCK_P=max(16, triton.next_power_of_2(P)),
-                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], FP8=fp8, HW_FP8=True, HAS_VIS=has_vis, SPLIT=split,
-                 DOT_IEEE=qdt == "fp32", V_RELOAD=bool(cfg["V_RELOAD"]), INTERPRET=False)
-    div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr", "H", "block_size",
+                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=block_size, FP8=fp8, HW_FP8=True,
+                 HAS_VIS=has_vis, SPLIT=split, DOT_IEEE=qdt == "fp32",
+                 V_RELOAD=bool(cfg["V_RELOAD"]) and not (f16 and cfg.get("PREFETCH")),
+                 TRANS=bool(cfg.get("TRANS")), F16=f16, PREFETCH=f16 and bool(cfg.get("PREFETCH")), INTERPRET=False)
+    div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr", "H",
            "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
     return _compile(m._mla_decode_stage1, sig, const, div, cfg["num_warps"], cfg["num_stages"])
 
@@ -60,6 +65,32 @@ def stage2(block_s: int, block_c: int, qdt: str = "bf16"):
     const = dict(R=512, BLOCK_R=512, BLOCK_S=block_s, BLOCK_C=block_c)
     return _compile(m._mla_decode_stage2, sig, const, ["part_ptr", "plse_ptr", "out_ptr", "lse_ptr", "stride_ot",
                                                         "stride_oh"], 4, 1)
+
+
+def loop_sass(cubin: bytes) -> dict:
+    """SASS of the kernel's main loop (the longest backward branch): instructions per iteration per
+    warp, and the counts of the matrix, shared-memory and conversion instructions among them."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    ins = []
+    for ln in sass.splitlines():
+        mt = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*)", ln)
+        if mt:
+            ins.append((int(mt.group(1), 16), mt.group(3), mt.group(4)))
+    lo_hi = None
+    for a, op, args in ins:
+        br = re.match(r"(0x[0-9a-f]+)", args.strip()) if op == "BRA" else None
+        if br and int(br.group(1), 16) < a and (lo_hi is None or a - int(br.group(1), 16) > lo_hi[1] - lo_hi[0]):
+            lo_hi = (int(br.group(1), 16), a)
+    body = [op for a, op, _ in ins if lo_hi and lo_hi[0] <= a <= lo_hi[1]]
+
+    def cnt(*prefixes):
+        return sum(op.startswith(prefixes) for op in body)
+    return {"loop_instr": len(body), "loop_mma": cnt("HGMMA", "HMMA"), "loop_lds": cnt("LDS", "LDSM"),
+            "loop_lds_u8_u16": cnt("LDS.U8", "LDS.U16"), "loop_cvt": cnt("F2F", "F2FP"),
+            "loop_local_mem": cnt("LDL", "STL")}
 
 
 def report(kernel) -> dict:
@@ -77,7 +108,8 @@ def report(kernel) -> dict:
             "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
             "smem": kernel.metadata.shared,
             "mma": "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-",
-            "buffers": bufs, "unpipelined_2d_loads": len(re.findall(r"= tt\.load .*tensor<\d+x\d+x", loop))}
+            "buffers": bufs, "unpipelined_2d_loads": len(re.findall(r"= tt\.load .*tensor<\d+x\d+x", loop)),
+            **loop_sass(kernel.asm["cubin"])}
 
 
 def main() -> None:
@@ -98,11 +130,21 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     d = m.default_config(16, torch.bfloat16)
-    for name, kw in (("unsplit bf16 out", dict(split=False)), ("fp32 q (ieee dots)", dict(qdt="fp32")),
-                     ("DCP visible lengths", dict(has_vis=True)), ("default-model width 64+16", dict(R=64, P=16))):
+    t = dict(m.candidate_configs(16, torch.float8_e4m3fn)[3], TRANS=True, BLOCK_N=64)  # swap-AB, fp16, prefetch
+    for name, fp8, cfg, kw in (("unsplit bf16 out", False, d, dict(split=False)),
+                               ("fp32 q (ieee dots)", False, d, dict(qdt="fp32")),
+                               ("DCP visible lengths", False, d, dict(has_vis=True)),
+                               ("default-model width 64+16", False, d, dict(R=64, P=16)),
+                               ("block size 64", False, d, dict(block_size=64)),
+                               ("swap-AB bf16 64+16", False, dict(d, TRANS=True, BLOCK_N=64), dict(R=64, P=16)),
+                               ("swap-AB fp8 unsplit", True, t, dict(split=False)),
+                               ("swap-AB fp8, fp32 q", True, t, dict(qdt="fp32")),
+                               ("swap-AB fp8 DCP", True, t, dict(has_vis=True)),
+                               ("swap-AB fp8 64+16", True, t, dict(R=64, P=16)),
+                               ("swap-AB fp8 block size 64", True, t, dict(block_size=64))):
         r = dict(variant=name)
         try:
-            r.update(report(stage1(False, d, **kw)))
+            r.update(report(stage1(fp8, cfg, **kw)))
         except Exception as e:  # noqa: BLE001
             r["error"] = repr(e)[:500]
         rows.append(r)

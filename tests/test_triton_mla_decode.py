@@ -93,6 +93,30 @@ for cdt, ks in ((torch.bfloat16, None), (torch.float8_e4m3fn, 0.05)):
     out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 512, ks, num_splits=2)
     compare(f"r512_{cdt}", out, lse, q, cache, bt, qsl, seq, 512, ks)
 
+# second version's code paths, forced by config: swap-AB tiles (TRANS), fp16 dots for an fp8 cache (F16:
+# q rows scaled by powers of two; one q row of magnitude ~1e6 would overflow fp16 unscaled, one of ~1e-6
+# would be subnormal), the fp8 bytes loaded one tile ahead into registers (PREFETCH); block 4 < BLOCK_N
+seq, ql = [45, 0, 20, 7], [1, 1, 4, 2]
+v2 = {"trans": dict(BLOCK_N=16, TRANS=True), "f16": dict(F16=True), "f16_pre": dict(F16=True, PREFETCH=True),
+      "trans_f16_pre": dict(BLOCK_N=16, TRANS=True, F16=True, PREFETCH=True)}
+for cdt, qdt, ks in ((torch.bfloat16, torch.bfloat16, None), (torch.float8_e4m3fn, torch.bfloat16, 0.05),
+                     (torch.float8_e4m3fn, torch.float16, 3.0), (torch.float32, torch.float32, None)):
+    q, cache, bt, qsl = make(64, 16, 4, seq, ql, 3, cdt, qdt, ks)
+    if cdt == torch.float8_e4m3fn:
+        q[3, 0] *= 1e6 if qdt == torch.bfloat16 else 1e3
+        q[4, 1] *= 1e-6 if qdt == torch.bfloat16 else 1e-3
+    for name, cfg in v2.items():
+        if cfg.get("F16") and cdt != torch.float8_e4m3fn:
+            continue
+        out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 64, ks, num_splits=2, config=cfg)
+        compare(f"v2_{name}_{cdt}_{qdt}", out, lse, q, cache, bt, qsl, seq, 64, ks)
+# 512 + 64 rows, block 16, swap-AB with fp16 dots and prefetch, one split (bf16 output written directly)
+seq, ql = [37, 9], [1, 2]
+q, cache, bt, qsl = make(512, 64, 16, seq, ql, 2, torch.float8_e4m3fn, torch.bfloat16, 0.05)
+out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 512, 0.05, num_splits=1,
+                                   config=dict(BLOCK_N=16, TRANS=True, F16=True, PREFETCH=True))
+compare("v2_r512_trans_f16_pre", out, lse, q, cache, bt, qsl, seq, 512, 0.05)
+
 # DCP local shard (rank 1 of 2, interleave 1 and 2): per-query visible lengths; L=1 leaves rank 1 empty
 seq, ql = [1, 23, 9], [1, 3, 4]
 for inter in (1, 2):
@@ -149,9 +173,9 @@ def _check_case(name: str, r: dict, fp32: bool) -> None:
 
 def test_interpreter_equals_reference(interp_results):
     cases = {k: v for k, v in interp_results.items() if isinstance(v, dict)}
-    assert len(cases) == 14, sorted(cases)
+    assert len(cases) == 25, sorted(cases)
     for name, r in cases.items():
-        _check_case(name, r, fp32="float32" in name or name.startswith("dcp"))
+        _check_case(name, r, fp32=name.endswith("float32") or name.startswith("dcp") or "float32_S" in name)
     # the awkward rows exist: the 0-length request and the query that precedes its cache
     assert cases["r64_bs4_torch.bfloat16_S1"]["n_empty"] == 2 * 3 + 1 * 3
     assert cases["dcp_local_I1"]["n_empty"] > 0

@@ -72,57 +72,120 @@ def _load_rows(ptrs, mask, FP8: tl.constexpr, HW_FP8: tl.constexpr, QDT: tl.cons
 
 
 @triton.jit
-def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, vis, row_ok, cache_ptr, block_size, qk_scale,
+def _e4m3_to_f16(x, HW_FP8: tl.constexpr, DDT: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """fp8 E4M3 bytes (uint8) -> ``DDT`` (fp16 on the GPU), exact: on the GPU one ``cvt.rn.f16x2.e4m3x2``
+    per byte pair, written as inline asm that Triton does not move past a layout conversion (it would
+    otherwise convert after reading the bytes in the MMA operand layout, one small shared-memory load
+    per byte pair); integer decoding in the interpreter."""
+    if HW_FP8:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4).to(DDT)
+    else:
+        y = _from_e4m3_bits(x.to(tl.int32)).to(DDT)
+    if DOT_IEEE:
+        y = y.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _load_raw(cache_ptr, blk, n, hi, R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The cache bytes of one tile (rows ``n``, physical blocks ``blk``) into registers:
+    ([BLOCK_N, BLOCK_R], [BLOCK_N, BLOCK_P]) uint8, 0 past ``hi``."""
+    W: tl.constexpr = R + P
+    row = (blk.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE) * W
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    n_ok = n < hi
+    raw_n = tl.load(cache_ptr + row[:, None] + r[None, :], mask=n_ok[:, None] & (r < R)[None, :], other=0)
+    raw_p = tl.load(cache_ptr + row[:, None] + R + p[None, :], mask=n_ok[:, None] & (p < P)[None, :], other=0)
+    return raw_n, raw_p
+
+
+@triton.jit
+def _dot(a, b, c, IEEE: tl.constexpr):
+    """``a @ b (+ c)`` with fp32 accumulation; IEEE fp32 products under ``IEEE``."""
+    if IEEE:
+        return tl.dot(a, b, c, input_precision="ieee")
+    else:
+        return tl.dot(a, b, c)
+
+
+@triton.jit
+def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row_ok, cache_ptr, qsc,
              R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-             BLOCK_N: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr, QDT: tl.constexpr,
-             DOT_IEEE: tl.constexpr, V_RELOAD: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
+             DDT: tl.constexpr, DOT_IEEE: tl.constexpr, V_RELOAD: tl.constexpr, TRANS: tl.constexpr,
+             PREFETCH: tl.constexpr):
     """One BLOCK_N-row tile (rows start.., physical blocks ``blk``) of the online softmax: returns the
-    updated (m_i, l_i, acc), base-2 logits.
-    Dot operands are rounded to q's dtype ``QDT``; with DOT_IEEE (fp32 q, or the interpreter, whose
-    ``tl.dot`` multiplies bf16 bit patterns as integers) they are then widened to fp32."""
+    updated (m_i, l_i, acc), base-2 logits; ``qsc`` [BLOCK_M] is each query row's logit scale.
+    Dot operands are rounded to ``DDT``; with DOT_IEEE (fp32 q, or the interpreter, whose ``tl.dot``
+    multiplies bf16 bit patterns as integers) they are then widened to fp32.
+    TRANS = False: q tiles [BLOCK_M, BLOCK_R] / [BLOCK_M, BLOCK_P], scores S = q K^T [BLOCK_M, BLOCK_N],
+    acc [BLOCK_M, BLOCK_R] += P V. TRANS = True (swap AB): q given transposed ([BLOCK_R, BLOCK_M],
+    [BLOCK_P, BLOCK_M]), S^T = K q^T [BLOCK_N, BLOCK_M], acc^T [BLOCK_R, BLOCK_M] += V^T P^T: the cache
+    rows are the MMA's M side (64 rows fill a Hopper wgmma even for 16 query rows) and both the cache
+    tile and q^T are read by the tensor cores straight from shared memory (q is not re-read into
+    registers every tile). PREFETCH (fp8): the tile's bytes ``raw_n``/``raw_p`` were loaded into
+    registers one iteration earlier; they are converted once and the converted tile feeds both dots."""
     W: tl.constexpr = R + P
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < hi
-    row = (blk.to(tl.int64) * block_size + n % block_size) * W
+    row = (blk.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE) * W
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     kmask = n_ok[:, None] & (r < R)[None, :]
-    kn = _load_rows(cache_ptr + row[:, None] + r[None, :], kmask, FP8, HW_FP8, QDT, DOT_IEEE, "evict_last")
-    kp = _load_rows(cache_ptr + row[:, None] + R + p[None, :], n_ok[:, None] & (p < P)[None, :], FP8, HW_FP8, QDT,
-                    DOT_IEEE, "evict_last")
+    if PREFETCH:
+        kn = _e4m3_to_f16(raw_n, HW_FP8, DDT, DOT_IEEE)
+        kp = _e4m3_to_f16(raw_p, HW_FP8, DDT, DOT_IEEE)
+    else:
+        kn = _load_rows(cache_ptr + row[:, None] + r[None, :], kmask, FP8, HW_FP8, DDT, DOT_IEEE, "evict_last")
+        kp = _load_rows(cache_ptr + row[:, None] + R + p[None, :], n_ok[:, None] & (p < P)[None, :], FP8, HW_FP8,
+                        DDT, DOT_IEEE, "evict_last")
     if V_RELOAD:  # a second load of the same rows for the PV dot (served by L1/L2, not HBM)
-        v = _load_rows(cache_ptr + row[:, None] + r[None, :], kmask, FP8, HW_FP8, QDT, DOT_IEEE, "evict_first")
+        v = _load_rows(cache_ptr + row[:, None] + r[None, :], kmask, FP8, HW_FP8, DDT, DOT_IEEE, "evict_first")
     else:
         v = kn
-    if DOT_IEEE:
-        s = tl.dot(q_nope, tl.trans(kn), input_precision="ieee")
-        s = tl.dot(q_pe, tl.trans(kp), s, input_precision="ieee")
+    if TRANS:
+        s = _dot(kp, q_pe, _dot(kn, q_nope, None, DOT_IEEE), DOT_IEEE)
+        s = s * qsc[None, :]
+        keep = row_ok[None, :] & n_ok[:, None] & (n[:, None] < vis[None, :])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(pr, axis=0)
+        pr = pr.to(DDT)
+        if DOT_IEEE:
+            pr = pr.to(tl.float32)
+        acc = _dot(tl.trans(v), pr, acc * alpha[None, :], DOT_IEEE)
     else:
-        s = tl.dot(q_nope, tl.trans(kn))
-        s = tl.dot(q_pe, tl.trans(kp), s)
-    s = s * qk_scale
-    keep = row_ok[:, None] & n_ok[None, :] & (n[None, :] < vis[:, None])
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
-    alpha = tl.exp2(m_i - m_safe)
-    pr = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
-    if DOT_IEEE:
-        acc = tl.dot(pr.to(QDT).to(tl.float32), v, acc * alpha[:, None], input_precision="ieee")
-    else:
-        acc = tl.dot(pr.to(QDT), v, acc * alpha[:, None])
+        s = _dot(q_pe, tl.trans(kp), _dot(q_nope, tl.trans(kn), None, DOT_IEEE), DOT_IEEE)
+        s = s * qsc[:, None]
+        keep = row_ok[:, None] & n_ok[None, :] & (n[None, :] < vis[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        pr = pr.to(DDT)
+        if DOT_IEEE:
+            pr = pr.to(tl.float32)
+        acc = _dot(pr, v, acc * alpha[:, None], DOT_IEEE)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
-                       H, block_size, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits,
-                       qk_scale, out_scale,
+                       H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits, qk_scale, out_scale,
                        R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
-                       HAS_VIS: tl.constexpr, SPLIT: tl.constexpr, DOT_IEEE: tl.constexpr,
-                       V_RELOAD: tl.constexpr, INTERPRET: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+                       HW_FP8: tl.constexpr, HAS_VIS: tl.constexpr, SPLIT: tl.constexpr, DOT_IEEE: tl.constexpr,
+                       V_RELOAD: tl.constexpr, TRANS: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
@@ -143,10 +206,23 @@ def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, ou
     q_row = q_ptr + tok * stride_qt + h * stride_qh
     q_nope = tl.load(q_row[:, None] + r[None, :], mask=row_ok[:, None] & (r < R)[None, :], other=0.0)
     q_pe = tl.load(q_row[:, None] + R + p[None, :], mask=row_ok[:, None] & (p < P)[None, :], other=0.0)
-    QDT: tl.constexpr = q_ptr.dtype.element_ty
+    qsc = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+    if F16:  # fp8 cache, fp16 dots: each q row times a power of two 2^e with max |q row| in [2^13, 2^14)
+        DDT: tl.constexpr = tl.float16
+        amax = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), axis=1), tl.max(tl.abs(q_pe.to(tl.float32)), axis=1))
+        e = 127 + 13 - (((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127)
+        qs = tl.where(amax > 0, (tl.minimum(tl.maximum(e, 1), 254) << 23).to(tl.float32, bitcast=True), 1.0)
+        q_nope = (q_nope.to(tl.float32) * qs[:, None]).to(tl.float16)
+        q_pe = (q_pe.to(tl.float32) * qs[:, None]).to(tl.float16)
+        qsc = qsc / qs  # exact: qs is a power of two
+    else:
+        DDT: tl.constexpr = q_ptr.dtype.element_ty
     if DOT_IEEE:
         q_nope = q_nope.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+    if TRANS:
+        q_nope = tl.trans(q_nope)
+        q_pe = tl.trans(q_pe)
     # this program's rows [lo, hi) of the request: splits of a per-request chunk, whole tiles each
     chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = pid_s * chunk
@@ -154,28 +230,49 @@ def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, ou
     hi = tl.where(pid_g * BLOCK_M < q_len * H, hi, lo)  # a head-group past this request's rows: no work
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    if TRANS:
+        acc = tl.zeros([BLOCK_R, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     # NOTE: the block ids of the next tile are loaded one iteration ahead, so the cache-row loads'
     # addresses come from loop-carried values and the pipeliner can overlap them with the math.
     n0 = lo + tl.arange(0, BLOCK_N)
-    blk = tl.load(bt_row + n0 // block_size, mask=n0 < hi, other=0)
+    blk = tl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < hi, other=0)
+    raw_n = 0
+    raw_p = 0
+    if PREFETCH:  # this tile's bytes in registers, the next tile's loaded during this tile's math
+        raw_n, raw_p = _load_raw(cache_ptr, blk, n0, hi, R, P, BLOCK_R, BLOCK_P, BLOCK_SIZE)
     if INTERPRET:
         start = lo
         while start < hi:
             nxt = start + BLOCK_N + tl.arange(0, BLOCK_N)
-            blk_next = tl.load(bt_row + nxt // block_size, mask=nxt < hi, other=0)
-            m_i, l_i, acc = _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, vis, row_ok, cache_ptr, block_size,
-                                     qk_scale, R, P, BLOCK_R, BLOCK_P, BLOCK_N, FP8, HW_FP8, QDT, DOT_IEEE, V_RELOAD)
+            blk_next = tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < hi, other=0)
+            if PREFETCH:
+                raw_n2, raw_p2 = _load_raw(cache_ptr, blk_next, nxt, hi, R, P, BLOCK_R, BLOCK_P, BLOCK_SIZE)
+            m_i, l_i, acc = _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row_ok, cache_ptr,
+                                     qsc, R, P, BLOCK_R, BLOCK_P, BLOCK_N, BLOCK_SIZE, FP8, HW_FP8, DDT, DOT_IEEE,
+                                     V_RELOAD, TRANS, PREFETCH)
             blk = blk_next
+            if PREFETCH:
+                raw_n = raw_n2
+                raw_p = raw_p2
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
             nxt = start + BLOCK_N + tl.arange(0, BLOCK_N)
-            blk_next = tl.load(bt_row + nxt // block_size, mask=nxt < hi, other=0)
-            m_i, l_i, acc = _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, vis, row_ok, cache_ptr, block_size,
-                                     qk_scale, R, P, BLOCK_R, BLOCK_P, BLOCK_N, FP8, HW_FP8, QDT, DOT_IEEE, V_RELOAD)
+            blk_next = tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < hi, other=0)
+            if PREFETCH:
+                raw_n2, raw_p2 = _load_raw(cache_ptr, blk_next, nxt, hi, R, P, BLOCK_R, BLOCK_P, BLOCK_SIZE)
+            m_i, l_i, acc = _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row_ok, cache_ptr,
+                                     qsc, R, P, BLOCK_R, BLOCK_P, BLOCK_N, BLOCK_SIZE, FP8, HW_FP8, DDT, DOT_IEEE,
+                                     V_RELOAD, TRANS, PREFETCH)
             blk = blk_next
+            if PREFETCH:
+                raw_n = raw_n2
+                raw_p = raw_p2
+    if TRANS:
+        acc = tl.trans(acc)
     seen = l_i > 0
     inv = tl.where(seen, out_scale / tl.where(seen, l_i, 1.0), 0.0)
     o = acc * inv[:, None]
@@ -238,32 +335,39 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     BLOCK_M (query rows per program, >= 16 for ``tl.dot``), BLOCK_N (cache rows per step), num_warps,
     num_stages, V_RELOAD (load the value tile a second time instead of reusing the key tile: with an
     fp8 cache and mma.sync tiles this lets Triton pipeline the byte loads through shared memory),
-    occupancy (programs resident per SM, from the shared-memory size; used by the split count).
-    Chosen from the sm_90 compile reports in ``benchmarks/NOTES.md``; ``benchmarks/mla_decode.py``
-    sweeps alternatives."""
-    fp8 = cache_dtype == FP8_DTYPE
+    TRANS (swap AB: cache rows on the MMA's M side, see ``_kv_tile``), F16 (fp8 cache: fp16 dots,
+    q rows scaled by powers of two; otherwise the dots run in q's dtype), PREFETCH (with F16: the
+    next tile's bytes loaded into registers during this tile, converted once for both dots),
+    occupancy (programs resident per SM, from registers and shared memory; used by the split count).
+    The fastest configs of the first H200 run (``benchmarks/results/mla_decode.h200.md``, sweep at
+    B = 16, 32K); ``benchmarks/mla_decode.py`` times :func:`candidate_configs` against them."""
     if max_query_rows <= 32:
-        return {"BLOCK_M": 16 if max_query_rows <= 16 else 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3,
-                "V_RELOAD": fp8, "occupancy": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3 if fp8 else 2, "V_RELOAD": False,
-            "occupancy": 1}
+        return {"BLOCK_M": 16 if max_query_rows <= 16 else 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3,
+                "V_RELOAD": cache_dtype == FP8_DTYPE, "TRANS": False, "F16": False, "PREFETCH": False,
+                "occupancy": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "V_RELOAD": False, "TRANS": False,
+            "F16": False, "PREFETCH": False, "occupancy": 1}
 
 
 def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dict]:
-    """Tile configs that ``benchmarks/mla_decode.py`` times against each other (the default first);
-    ``benchmarks/mla_decode_sm90_report.py`` lists their sm_90 compile reports."""
+    """Tile configs that ``benchmarks/mla_decode.py`` times against each other (the default first, the
+    first run's default second); ``benchmarks/mla_decode_sm90_report.py`` lists their sm_90 compile
+    reports (registers, spills, shared memory, MMA kind, pipelined loads, loop instructions).
+    ``occupancy`` = programs per SM that registers and shared memory allow (from those reports)."""
     fp8 = cache_dtype == FP8_DTYPE
     d = default_config(max_query_rows, cache_dtype)
     if max_query_rows <= 32:
-        m = d["BLOCK_M"]
-        cands = [d, dict(d, BLOCK_N=64), dict(d, BLOCK_N=16, num_warps=4, num_stages=4),
-                 dict(d, num_warps=4), dict(d, num_stages=4)]
         if fp8:
-            cands.append(dict(d, V_RELOAD=False))
-        return [dict(c, BLOCK_M=m) for c in cands]
-    return [d, dict(d, BLOCK_N=64, num_stages=2), dict(d, BLOCK_N=16, num_stages=3),
-            dict(d, BLOCK_M=32, num_stages=3, V_RELOAD=fp8, occupancy=2),
-            dict(d, BLOCK_M=16, num_stages=3, V_RELOAD=fp8, occupancy=2)]
+            pre = dict(d, BLOCK_N=32, num_warps=8, num_stages=1, V_RELOAD=False, F16=True, PREFETCH=True,
+                       occupancy=1)
+            return [d, dict(d, num_warps=8), dict(d, F16=True), pre, dict(pre, BLOCK_N=64),
+                    dict(pre, num_warps=4, occupancy=2)]
+        t = dict(d, BLOCK_N=64, num_stages=2, TRANS=True, occupancy=1)
+        return [d, dict(d, num_warps=8), t, dict(t, num_warps=8), dict(d, BLOCK_N=64, num_stages=2)]
+    if fp8:
+        return [d, dict(d, BLOCK_N=32, num_stages=3), dict(d, F16=True),
+                dict(d, BLOCK_N=32, num_stages=1, F16=True, PREFETCH=True)]
+    return [d, dict(d, BLOCK_N=32), dict(d, TRANS=True)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -401,19 +505,22 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     interp = _interpret() or not q.is_cuda
     src = kv_cache.view(torch.uint8) if fp8 else kv_cache
     vis = visible_lens.to(torch.int32) if visible_lens is not None else qsl
-    common = dict(R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP8=fp8,
-                  HW_FP8=not interp, HAS_VIS=visible_lens is not None, DOT_IEEE=q.dtype == torch.float32 or interp,
-                  V_RELOAD=bool(cfg["V_RELOAD"]), INTERPRET=interp, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
+    f16 = bool(cfg.get("F16", False)) and fp8 and q.dtype != torch.float32  # fp16 dots need an fp8 cache
+    pre = f16 and bool(cfg.get("PREFETCH", False))
+    common = dict(R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                  BLOCK_SIZE=block_size, FP8=fp8, HW_FP8=not interp, HAS_VIS=visible_lens is not None,
+                  DOT_IEEE=q.dtype == torch.float32 or interp, V_RELOAD=bool(cfg["V_RELOAD"]) and not pre,
+                  TRANS=bool(cfg.get("TRANS", False)), F16=f16, PREFETCH=pre,
+                  INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (groups, S, B)
     qk_scale = float(scale) * ks * LOG2E
     if S == 1:
-        _mla_decode_stage1[grid](q, src, bt, qsl, kvl, vis, out, lse, H, block_size, bt.stride(0), q.stride(0),
+        _mla_decode_stage1[grid](q, src, bt, qsl, kvl, vis, out, lse, H, bt.stride(0), q.stride(0),
                                  q.stride(1), out.stride(0), out.stride(1), 1, qk_scale, ks, SPLIT=False, **common)
         return out, lse
     part = torch.empty((T, H, S, BLOCK_R), dtype=torch.float32, device=q.device)
     plse = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
-    _mla_decode_stage1[grid](q, src, bt, qsl, kvl, vis, part, plse, H, block_size, bt.stride(0), q.stride(0),
+    _mla_decode_stage1[grid](q, src, bt, qsl, kvl, vis, part, plse, H, bt.stride(0), q.stride(0),
                              q.stride(1), out.stride(0), out.stride(1), S, qk_scale, ks, SPLIT=True, **common)
     BLOCK_S = triton.next_power_of_2(S)
     BLOCK_C = min(BLOCK_R, max(16, 4096 // BLOCK_S))

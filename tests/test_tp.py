@@ -5,7 +5,8 @@ an fp8 cache.
 
 Matrix (issue 6: TP in {1, 2} x DCP in {1, 2, 4} where DCP divides TP): tp 2 / dcp 1 and tp 2 / dcp 2
 on the tiny DeepSeek-V3 and the default model (Kimi-K3 architecture), against tp 1 / dcp 1; tp 4 / dcp
-2 on the tiny model. tp 4 / dcp 4 runs in the passkey test, in ``test_dcp_model.py`` (runner level, tiny
+2 on the tiny model; the tiny Qwen3 (GQA, 4 query / 2 KV heads) at tp 2 (KV heads split) and tp 4 (KV
+heads replicated), and its fp8 scale calculated as the max over the ranks' KV heads. tp 4 / dcp 4 runs in the passkey test, in ``test_dcp_model.py`` (runner level, tiny
 model, now with sharded weights); ``test_dcp_engine.py`` runs tp 2 / dcp 2 too.
 
 Each run scores a 57-token prompt in 12-token chunks with a 4-row context workspace (block 4: up to 14
@@ -13,7 +14,7 @@ context chunks), a 49-token prompt that hits the prefix cache (48 tokens), ``[5,
 chunks (contexts of 1 and 2 tokens: shorter than dcp 2, an empty shard), then greedy-generates 64
 tokens for three prompts (``[9]``: its first decode steps see fewer tokens than dcp 4 has ranks).
 
-Tolerance: the tiny model's logits are compared at max abs diff <= 1e-5 (measured <= 3e-6). The default
+Tolerance: the tiny models' logits are compared at max abs diff <= 1e-5 (measured <= 3e-6). The default
 model's at max abs diff <= 1e-5 * max |logit| (about 1.8e-4): its logits reach |17.8|, and the
 row-parallel sums (o_proj, down_proj, experts) add in another order than one fp32 GEMM, which moves
 them by a few ulp; in one process the same prompt scored in 12-token chunks against one whole prefill
@@ -89,23 +90,45 @@ def _reference(model, prompts, kw):
     ("tiny", 4, 2, {"kv_cache_dtype": "fp8"}),
     ("default", 2, 1, {}),
     ("default", 2, 2, {"kv_cache_dtype": "fp8", "cp_kv_cache_interleave_size": 4}),
+    ("qwen3", 2, 1, {}),     # GQA: 2 KV heads split
+    ("qwen3", 4, 1, {}),     # GQA: KV heads replicated (each rank holds the one its query head uses)
 ])
 def test_tp_engine_equals_single_process(tiny_model, variant, tp, dcp, kw):
-    model = tiny_model("dsv3-qlora-interleave-yarn") if variant == "tiny" else default_model_path()
+    model = {"tiny": lambda: tiny_model("dsv3-qlora-interleave-yarn"), "qwen3": lambda: tiny_model("qwen3-untied"),
+             "default": default_model_path}[variant]()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 200, (57,), generator=g).tolist(), [5, 6, 7], [9]]
     ref_logits, ref_tokens, ref_rep, ref_rows = _reference(model, prompts, kw)
     logits, tokens, rep, rows = _run(model, tp, dcp, prompts, **kw)
     assert all(len(t) == 64 for t in tokens)
-    if variant == "tiny" or kw.get("kv_cache_dtype") != "fp8":
+    if variant != "default" or kw.get("kv_cache_dtype") != "fp8":
         assert tokens == ref_tokens
     for a, b in zip(logits, ref_logits):
         assert a.shape == b.shape
-        bound = 1e-5 if variant == "tiny" else 1e-5 * float(b.abs().max())
+        bound = 1e-5 if variant != "default" else 1e-5 * float(b.abs().max())
         assert (a - b).abs().max() <= bound, (float((a - b).abs().max()), bound)
     assert rows == -(-ref_rows // tp)                                     # rank 0 holds its vocab shard
     assert rep["kv_cache_tokens"] == dcp * ref_rep["kv_cache_tokens"]      # capacity grows x dcp
-    assert rep["kv_cache_bytes"] == ref_rep["kv_cache_bytes"]              # per rank: the same latent pool
+    # per rank: MLA keeps the whole latent row (the same pool); GQA keeps its KV heads (2 of them, split
+    # over tp 2, one replicated per rank at tp 4)
+    assert rep["kv_cache_bytes"] == ref_rep["kv_cache_bytes"] // (min(tp, 2) if variant == "qwen3" else 1)
+
+
+def test_gqa_calculated_fp8_scale_covers_every_ranks_kv_heads(tiny_model):
+    """Under TP a rank sees only its KV heads; the calculated fp8 scale is the max over all of them,
+    the single-process value. (Only the scale is compared: with an fp8 cache, the ulp-level differences
+    of a split projection can round a value to the neighbouring fp8 step.)"""
+    model = tiny_model("qwen3-untied")
+    scales = []
+    for tp in (1, 4):
+        eng = _engine(model, tp, 1, kv_cache_dtype="fp8", calculate_kv_scales=True)
+        try:
+            eng.score(list(range(2, 40)))
+            scales.append(eng.startup_report()["k_scales"])
+        finally:
+            eng.shutdown()
+    assert len(scales[0]) == 2 and scales[0] != [1.0, 1.0]
+    assert scales[1] == pytest.approx(scales[0], rel=1e-6)
 
 
 def test_shards_are_slices_of_the_full_weights(tiny_model):

@@ -363,17 +363,17 @@ def build(kern, sig, consts, warps, key):
         out[key] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:1500]}"}
 wsig = dict(kvc_ptr="*bf16", kpe_ptr="*bf16", cache_ptr="*u8", slot_ptr="*i64", scale="fp32", nscale="fp32",
             rcp="fp32", T="i32", stride_kvc="i32", stride_kpe="i32")
-for fp8, mode, bt, warps, ev in [(False, 0, 16, 4, ""), (True, 0, 8, 4, ""), (True, 1, 8, 4, ""), (True, 2, 8, 4, ""),
-                                  (True, 3, 8, 4, ""), (True, 3, 32, 8, "evict_first")]:
+for fp8, mode, bt, warps, ev in [(False, 0, 4, 4, ""), (True, 0, 4, 4, ""), (True, 1, 4, 4, ""), (True, 2, 4, 4, ""),
+                                  (True, 3, 4, 4, ""), (True, 3, 32, 8, "evict_first")]:
     sig = dict(wsig, cache_ptr="*u8" if fp8 else "*bf16")
     build(tk._write_kernel, sig, dict(R=512, P=64, BLOCK_R=512, BLOCK_P=64, FP8=fp8, SCALE_MODE=mode, HW_FP8=True,
                                       BLOCK_T=bt, EVICT=ev), warps, f"write,fp8={fp8},mode={mode},bt={bt},ev={ev}")
 gsig = dict(cache_ptr="*u8", bt_ptr="*i32", cu_ptr="*i32", starts_ptr="*i32", t2s_ptr="*i32", out_ptr="*bf16",
             scale="fp32", total="i32", stride_bt="i32", block_size="i32")
-for fp8, bt, warps in [(False, 16, 4), (True, 16, 4), (True, 4, 2)]:
+for fp8, bt, warps, ev in [(False, 4, 4, ""), (True, 8, 4, "evict_first"), (True, 16, 4, "")]:
     sig = dict(gsig, cache_ptr="*u8" if fp8 else "*bf16")
     build(tk._gather_kernel, sig, dict(W=576, C1=512, C2=64, FP8=fp8, HAS_SCALE=fp8, HAS_STARTS=True, HW_FP8=True,
-                                       BLOCK_T=bt, EVICT=""), warps, f"gather,fp8={fp8},bt={bt}")
+                                       BLOCK_T=bt, EVICT=ev), warps, f"gather,fp8={fp8},bt={bt},ev={ev}")
 print("RESULT" + json.dumps(out))
 """
 
@@ -448,10 +448,14 @@ def test_gpu_fp8_of_every_bf16_value_and_every_byte_equals_reference():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("cfg", [{}, {"block_t": 32, "num_warps": 8, "evict": "evict_first"}])
-def test_gpu_kernels_equal_reference_at_mla_shapes(cfg):
+@pytest.mark.parametrize("cfg,cases,out_dts", [
+    ({}, ((torch.bfloat16, None), (FP8, 0.05), (FP8, 1.0), (FP8, None)), (torch.bfloat16, torch.float32)),
+    # another tile (32 rows, 8 warps, evict_first): one fp8 and the bf16 cache, bf16 workspace (fewer compiles)
+    ({"block_t": 32, "num_warps": 8, "evict": "evict_first"}, ((torch.bfloat16, None), (FP8, 0.05)), (torch.bfloat16,)),
+])
+def test_gpu_kernels_equal_reference_at_mla_shapes(cfg, cases, out_dts):
     """64K rows x 576 (DeepSeek/Kimi latent rows), block 64: write (bf16 and fp8 caches, -1 slots) and
-    gather + dequant (unaligned starts, bf16 and fp32 workspaces)."""
+    gather + dequant (unaligned starts, bf16 and fp32 workspaces), default tiles and one other."""
     from longflash.attention import triton_ops as tk
     T, bs = 65536, 64
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -463,14 +467,14 @@ def test_gpu_kernels_equal_reference_at_mla_shapes(cfg):
     table = torch.stack([torch.randperm(nblk, generator=g, device="cuda") for _ in range(4)]).to(torch.int32)
     cu = torch.tensor([0, 20000, 20000, 50001, 60000], dtype=torch.int32, device="cuda")
     starts = torch.tensor([3, 0, 17, 1000], dtype=torch.int32, device="cuda")
-    for dt, s in ((torch.bfloat16, None), (FP8, 0.05), (FP8, 1.0), (FP8, None)):
+    for dt, s in cases:
         ref = torch.zeros(nblk, bs, 576, dtype=dt, device="cuda")
         got = ref.clone()
         got.view(torch.uint8).view(nblk * bs, -1)[slots[slots >= 0]] = 0x5A  # poison the rows to write
         ops.concat_and_cache_mla(kv_c, k_pe, ref, slots, s)
         tk.concat_and_cache_mla(kv_c, k_pe, got, slots, s, **cfg)
         assert torch.equal(ref.view(torch.uint8), got.view(torch.uint8)), (dt, s)
-        for out_dt in (torch.bfloat16, torch.float32):
+        for out_dt in out_dts:
             r = ops.gather_and_maybe_dequant_cache(ref, table, cu, starts, out_dt, s)
             k = tk.gather_and_maybe_dequant_cache(ref, table, cu, starts, out_dt, s, **cfg)
             assert torch.equal(r.view(torch.uint8), k.view(torch.uint8)), (dt, s, out_dt)

@@ -227,13 +227,17 @@ def _kernels():
 
 
 # Tiles, (rows per program, num_warps, eviction policy of the streaming loads), per op and cache
-# element size. Whole rows per program; chosen from the candidates that benchmarks/kv_cache_ops.py
-# times on the H200 (benchmarks/NOTES.md has the numbers).
+# element size. Whole rows per program; the fastest of the candidates benchmarks/kv_cache_ops.py timed
+# on the H200 (commit 77f87ea, benchmarks/results/kv_cache_ops.h200.md; back-to-back launches in a CUDA
+# graph, 64K and 256K rows x 576). 4 rows / 4 warps was the fastest or within 1.5% of it for three
+# kernels at both sizes; for the fp8 gather the tiles were within 3% of each other except 4/4 at 256K
+# (8% slower), and 8/4 evict_first was the fastest at 256K and within 1.5% at 64K. Each chosen tile is
+# within 1.5% of the fastest at both sizes, so the table does not depend on the size.
 KV_CONFIGS: dict[tuple[str, int], tuple[int, int, str]] = {
-    ("write", 2): (16, 4, ""),
-    ("write", 1): (8, 4, ""),  # the FMA-corrected division needs ~125 registers at 16 rows
-    ("gather", 2): (16, 4, ""),
-    ("gather", 1): (16, 4, ""),
+    ("write", 2): (4, 4, ""),
+    ("write", 1): (4, 4, ""),
+    ("gather", 2): (4, 4, ""),
+    ("gather", 1): (8, 4, "evict_first"),
 }
 
 

@@ -31,6 +31,7 @@ sys.path.insert(0, REPO)
 
 from longflash.ops.mxfp8 import MX_BLOCK, quantize_mxfp8_into  # noqa: E402
 from longflash.ops.mxfp8 import dequantize_mxfp8  # noqa: E402
+from longflash.ops import triton_launch  # noqa: E402
 from longflash.spec_decode.staged_input import (DEFAULT_ROW_CHUNK, LiveTensorBytes,  # noqa: E402
                                                 StagedDrafterInput, concat_then_quantize,
                                                 default_dequantize_fn, mxfp8_buffers, project_mxfp8)
@@ -177,6 +178,36 @@ class Bench:
             out[f"paired_ratio_{first}_over_{n}"] = statistics.median(x / y for x, y in zip(times[first], times[n]))
         out["reps"] = reps
         return out
+
+    def host_ms(self, fns: dict, reps=None) -> dict:
+        """Median host time (ms) to *enqueue* each fn (perf_counter around the call, GPU idle before it,
+        L2 flush enqueued first as in the timings). When this exceeds the GPU work the call enqueues, the
+        GPU waits for the host: that is the eager path's launch overhead."""
+        reps = reps or self.reps
+        out = {}
+        for n, f in fns.items():
+            f()
+            times = []
+            for _ in range(reps):
+                self.sync()
+                if self._flush is not None:
+                    self._flush.zero_()
+                t0 = time.perf_counter()
+                f()
+                times.append((time.perf_counter() - t0) * 1e3)
+            self.sync()
+            out[n] = statistics.median(times)
+        return out
+
+    @staticmethod
+    def without_plans(fn):
+        """Run ``fn()`` with the cached launch plans off (every launch through the checks and Triton's
+        launcher, as in the first H200 run); returns its result."""
+        triton_launch.ENABLED = False
+        try:
+            return fn()
+        finally:
+            triton_launch.ENABLED = True
 
     def taps(self, seed=0):
         g = torch.Generator(device=self.dev).manual_seed(seed)
@@ -437,6 +468,58 @@ class Bench:
                                        "step_ratio": p["step_ratio"]}
         return res
 
+    def launch_host_us(self, tap, data, scales, n=50) -> dict:
+        """Host µs per quantize launch (one slice, ``n`` back to back, host clock only): from a cached
+        launch plan vs through the checks and Triton's launcher."""
+        out = {}
+        for name, enabled in (("plans", True), ("no_plans", False)):
+            triton_launch.ENABLED = enabled
+            try:
+                self.quantize(tap, data, scales, 0)
+                self.sync()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    self.quantize(tap, data, scales, 0)
+                out[name] = (time.perf_counter() - t0) * 1e6 / n
+                self.sync()
+            finally:
+                triton_launch.ENABLED = True
+        return out
+
+    def sync_check(self, w, taps, ds, ss, os_, dc, sc, oc) -> dict:
+        """Each path once under ``torch.cuda.set_sync_debug_mode("error")``: any host-device sync inside
+        add()/finalize() or concat_then_quantize raises. CUDA only."""
+        if not self.cuda:
+            return {"skipped": "no CUDA device"}
+        acc = StagedDrafterInput(self.widths, w, ds, ss, os_, self.m, row_chunk=self.row_chunk,
+                                 quantize_fn=self.quantize, dequantize_fn=self.dequantize)
+        scratch = torch.empty(self.row_chunk, self.k, device=self.dev, dtype=self.dtype)
+        acc.scratch = scratch
+
+        def staged():
+            acc.reset()
+            for i, t in enumerate(taps):
+                acc.add(i, t)
+            return acc.finalize()
+
+        def concat():
+            return concat_then_quantize(taps, w, dc, sc, oc, row_chunk=self.row_chunk, quantize_fn=self.quantize,
+                                        scratch=scratch, dequantize_fn=self.dequantize)
+        out = {}
+        for name, fn in (("staged", staged), ("concat", concat)):
+            fn()
+            self.sync()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                fn()
+                out[name] = "no host sync"
+            except RuntimeError as e:
+                out[name] = f"sync: {str(e)[:200]}"
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        self.sync()
+        return out
+
     def timing(self):
         """Whole projection (quantize all taps + dequant + GEMM), staged vs concatenated, interleaved.
 
@@ -450,6 +533,13 @@ class Bench:
         res = {"projection_fn": f"project_mxfp8 + {self.dequantize_name}", "reps": self.reps,
                "method": "interleaved staged/concat, L2 flushed before each call, median (and median of paired ratios)"}
         chunks = self._chunks()
+        # the stand-in for the target layers of the forward-pass timing (same GEMMs in both paths)
+        gp = torch.Generator(device=self.dev).manual_seed(9)
+        px = torch.randn(self.m, 1024, generator=gp, device=self.dev, dtype=self.dtype)
+        pw = torch.randn(1024, self.widths[0], generator=gp, device=self.dev, dtype=self.dtype) * 0.03
+        res["forward_producer"] = f"torch.mm [{self.m}, 1024] x [1024, {self.widths[0]}] before each tap"
+        res["quantize_host_us_per_launch"] = self.launch_host_us(taps[0], ds, ss)
+        res["host_sync_check"] = self.sync_check(w, taps, ds, ss, os_, dc, sc, oc)
         for rc in chunks:
             scratch = torch.empty(min(rc, self.m), self.k, device=self.dev, dtype=self.dtype)
             acc = StagedDrafterInput(self.widths, w, ds, ss, os_, self.m, row_chunk=rc, quantize_fn=self.quantize,
@@ -478,6 +568,18 @@ class Bench:
             def gemm_torch_dequant():
                 project_mxfp8(ds, ss, w, os_, rc, scratch, lambda d, s_, o: dequantize_mxfp8(d, s_, out=o))
 
+            def staged_fwd():  # each tap produced by a GEMM just before add(), as a target layer does
+                acc.reset()
+                for i, t in enumerate(taps):
+                    torch.mm(px, pw, out=t)
+                    acc.add(i, t)
+                return acc.finalize()
+
+            def concat_fwd():
+                for t in taps:
+                    torch.mm(px, pw, out=t)
+                return concat()
+
             whole = self.time_interleaved_ms({"staged": staged, "concat": concat})
             quant = self.time_interleaved_ms({"staged": staged_quant, "concat": concat_quant})
             proj = self.time_interleaved_ms({"default": gemm_only, "torch_dequant": gemm_torch_dequant})
@@ -487,6 +589,21 @@ class Bench:
                  "staged_quantize_ms": quant["staged"], "concat_quantize_ms": quant["concat"],
                  "project_ms": proj["default"], "project_torch_dequant_ms": proj["torch_dequant"]}
             r["project_TFLOPs"] = 2 * self.m * self.k * self.n / (r["project_ms"] * 1e-3) / 1e12
+            # the same without cached launch plans (the first H200 run's launch path), and the host's
+            # enqueue time of each step both ways: the eager penalty is host time the GPU waits for
+            nop = self.without_plans(lambda: self.time_interleaved_ms({"staged": staged, "concat": concat}))
+            r.update(no_plans_staged_ms=nop["staged"], no_plans_concat_ms=nop["concat"],
+                     no_plans_ratio_staged_over_concat=nop["staged"] / nop["concat"],
+                     no_plans_paired_ratio=nop["paired_ratio_staged_over_concat"])
+            host = self.host_ms({"staged": staged, "concat": concat, "staged_quantize": staged_quant})
+            host_np = self.without_plans(lambda: self.host_ms({"staged": staged, "concat": concat,
+                                                               "staged_quantize": staged_quant}))
+            r["host_enqueue_ms"] = {"plans": host, "no_plans": host_np}
+            # inside a forward: a [M, 1024] x [1024, width] GEMM writes each tap right before it is used
+            fwd = self.time_interleaved_ms({"staged": staged_fwd, "concat": concat_fwd})
+            r.update(forward_staged_ms=fwd["staged"], forward_concat_ms=fwd["concat"],
+                     forward_ratio_staged_over_concat=fwd["staged"] / fwd["concat"],
+                     forward_paired_ratio=fwd["paired_ratio_staged_over_concat"])
             if self.cuda:  # the same two steps captured in CUDA graphs: no Python launch overhead
                 try:
                     gs, gc = self.time_graph_ms([staged]), self.time_graph_ms([concat])
@@ -549,6 +666,8 @@ class Bench:
                 eager2 = step(*taps2).clone()
                 res[qname] = {"compile_s": compile_s, "bitwise_equal_eager": bits_equal(got, eager),
                               "bitwise_equal_eager_new_inputs": bits_equal(got2, eager2)}
+                if self.cuda:  # the compiled step against the eager one (cached launch plans on)
+                    res[qname].update(compiled_ms=self.time_ms(lambda: fn(*taps2)), eager_ms=self.time_ms(lambda: step(*taps2)))
             except Exception as e:
                 res[qname] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
         return res
@@ -638,6 +757,32 @@ class Bench:
                 lines.append(f"| {rc} | {x['staged_ms']:.3f} | {x['concat_ms']:.3f} | {x['ratio_staged_over_concat']:.3f} | "
                              f"{x['paired_ratio_staged_over_concat']:.3f} | {gtxt} | {x['staged_quantize_ms']:.3f} / {x['concat_quantize_ms']:.3f} | "
                              f"{x['project_ms']:.3f} ({x['project_torch_dequant_ms']:.3f}) | {mtxt} |")
+        rcs = sorted((k for k in tim if k.startswith("row_chunk_") and "no_plans_staged_ms" in tim[k]),
+                     key=lambda k: int(k.split("_")[-1]))
+        if rcs:
+            lines.append("")
+            lines.append("Eager launch overhead: the same steps with and without cached launch plans "
+                         "(`longflash/ops/triton_launch.py`), the host's enqueue time per step, and the steps inside a "
+                         f"forward ({tim.get('forward_producer')}):")
+            lines.append("")
+            lines.append("| row_chunk | eager staged / concat ms, plans (ratio) | no plans (ratio) | host enqueue staged / concat / "
+                         "staged quantize ms, plans | no plans | forward staged / concat ms (ratio, paired) |")
+            lines.append("|---|---|---|---|---|---|")
+            for key in rcs:
+                x = tim[key]
+                hp, hn = x["host_enqueue_ms"]["plans"], x["host_enqueue_ms"]["no_plans"]
+                lines.append(f"| {key.split('_')[-1]} | {x['staged_ms']:.3f} / {x['concat_ms']:.3f} ({x['ratio_staged_over_concat']:.3f}) | "
+                             f"{x['no_plans_staged_ms']:.3f} / {x['no_plans_concat_ms']:.3f} ({x['no_plans_ratio_staged_over_concat']:.3f}) | "
+                             f"{hp['staged']:.3f} / {hp['concat']:.3f} / {hp['staged_quantize']:.3f} | "
+                             f"{hn['staged']:.3f} / {hn['concat']:.3f} / {hn['staged_quantize']:.3f} | "
+                             f"{x['forward_staged_ms']:.3f} / {x['forward_concat_ms']:.3f} ({x['forward_ratio_staged_over_concat']:.3f}, "
+                             f"{x['forward_paired_ratio']:.3f}) |")
+            hu = tim.get("quantize_host_us_per_launch", {})
+            if hu:
+                lines.append("")
+                lines.append(f"host µs per quantize launch (50 back to back): plan {hu.get('plans', float('nan')):.1f}, "
+                             f"checks + Triton launcher {hu.get('no_plans', float('nan')):.1f}; "
+                             f"host sync check (`set_sync_debug_mode('error')`): {tim.get('host_sync_check')}")
         bw = r.get("bandwidth", {})
         if "copy_GBps" in bw:
             lines.append("")

@@ -388,7 +388,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(sm90_results):
             assert v["ld_v2"] > 0 and v["st_v4"] > 0 and v["convert_layout"] <= 1, (key, v)
 
 
-def test_kernels_compile_from_inductors_regenerated_source(sm90_results):
+def test_inductor_regenerated_source_compiles_for_sm90(sm90_results):
     """torch.compile(fullgraph=True) of the staged accumulator: Inductor's re-generated kernel source
     (kernel + the helpers it finds) compiles for sm_90 (the GPU benchmark's ``compiled`` section runs the
     whole compiled step and checks its bytes)."""

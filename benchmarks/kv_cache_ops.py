@@ -16,7 +16,8 @@ Every candidate tile (rows per program, warps, eviction policy of the streaming 
 is checked byte-equal to the PyTorch reference at the benchmarked shape and timed two ways, each
 against a copy timed the same way:
   * "event": CUDA events around one launch, L2 flushed before each of --reps launches, median (the
-    first run's method); ceiling = 1 GiB ``copy_``, same method;
+    first run's method; added after the run of 77f87ea: a GPU spin before the start event keeps the host's launch
+    time out of the interval); ceiling = 1 GiB ``copy_``, same method;
   * "graph": --sets launches over distinct buffer sets (each set larger than L2) captured in one CUDA
     graph, median replay time / sets (back to back, as in a forward pass); ceiling = 1 GiB copies,
     same method.
@@ -86,6 +87,11 @@ class Timer:
         times = []
         for _ in range(self.reps):
             self.flush.zero_()
+            # NOTE: a ~0.2 ms GPU spin before the start event lets the host enqueue fn's launch first, so
+            # the event pair times the kernel, not the Python launch path (at 64K rows a kernel is ~40 µs,
+            # about as long as its host-side launch; the first H200 run's 64K event times varied 0.49-0.80
+            # of copy across tiles whose back-to-back graph times agreed within 2%)
+            torch.cuda._sleep(400_000)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()

@@ -36,8 +36,10 @@ DEFAULT_STAGED_MIN_TOKENS = 512
 # projection (quantize all taps + dequant + GEMM), staged / concatenated in the same run: 0.993 at 1024,
 # 1.035 at 2048, 1.044 at 4096 (the staged time itself is the same at 1024 and 2048, 4.16 vs 4.18 ms;
 # larger chunks only speed up the concatenated path). 1024 meets the goal <= 1.00 and halves the
-# scratch, so the staged step peak falls further below half of the concatenated one
-# (benchmarks/results/mxfp8_staged.h200.md, benchmarks/NOTES.md).
+# scratch, so the staged step peak falls further below half of the concatenated one. Third run
+# (77f87ea, v2 kernels): in CUDA graphs 0.931 / 0.955 / 0.929 at 512 / 1024 / 2048; eager 1.045-1.054
+# at all three: host launch time, which cached launch plans (ops/triton_launch.py) should remove (next
+# run); step peak 0.317 / 0.348 / 0.441 (benchmarks/results/mxfp8_staged.h200.md, benchmarks/NOTES.md).
 DEFAULT_ROW_CHUNK = 1024
 
 DequantizeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

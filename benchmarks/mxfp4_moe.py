@@ -7,7 +7,9 @@ count, each config checked against the reference, times against the machine's ce
 
 For 1, 64 and 4096 tokens it times one routed-expert layer (``run_mxfp4_experts_triton``: align + the one
 kernel launch + the output cast) for every config of a small sweep (tile sizes, warps, stages, persistent
-programs per SM, decode), and reports, with denominators measured in the same run:
+programs per SM, register cap, decode, align), up to 64 tokens as CUDA graph replays (as the engine's
+decode steps run; the eager Python call's time is reported beside it), and reports, with denominators
+measured in the same run:
 - bytes moved (packed weights + scales of the experts hit, activations) per second, as a fraction of the
   device copy bandwidth (a 1 GiB ``copy_``: read + write) -- the decode ceiling;
 - FLOP/s (2 * tokens * top_k * 3 * Lt * Im) as a fraction of the cuBLAS bf16 GEMM rate at the experts'
@@ -43,21 +45,29 @@ MAX_REL_ERR = 2e-2  # bf16 rounding of x·W and of the activation, fp32 accumula
 
 # Tile sweeps (see benchmarks/NOTES.md). BLOCK_W = 64 per warpgroup (4 warps): the dequantized weights are
 # the wgmma's register operand, so two warpgroups on one BLOCK_W = 64 tile would both decode it.
+# Second version (after the first H200 run): more resident warps per SM (maxnreg 128 lets 3-4 programs of
+# 4 warps fit: the kernel needs 110 registers at that cap, no spills, the same loop code), deeper pipelines,
+# the one-launch align vs the torch ops (diagnostic), the Triton decode (diagnostic: decode cost).
+_D = dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2)
 DECODE_SWEEP = {
-    "d_w64_k128_s3": dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2),
-    "d_w64_k128_s4": dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2),
-    "d_w64_k256_s3": dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=256, num_warps=4, num_stages=3, programs_per_sm=2),
-    "d_w128_k128_s3": dict(BLOCK_M=16, BLOCK_W=128, BLOCK_K=128, num_warps=8, num_stages=3, programs_per_sm=1),
-    "d_w64_k128_s3_triton_decode": dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3,
-                                        programs_per_sm=2, decode="small"),
+    "d_w64_k128_s4": dict(_D),
+    "d_w64_k128_s4_torch_align": dict(_D, align="torch"),
+    "d_w64_k128_s4_r128_p3": dict(_D, maxnreg=128, programs_per_sm=3),
+    "d_w64_k128_s4_r128_p4": dict(_D, maxnreg=128, programs_per_sm=4),
+    "d_w64_k128_s5_r128_p4": dict(_D, maxnreg=128, programs_per_sm=4, num_stages=5),
+    "d_w64_k128_s3_r128_p4": dict(_D, maxnreg=128, programs_per_sm=4, num_stages=3),
+    "d_w64_k128_s4_r128_p4_triton_decode": dict(_D, maxnreg=128, programs_per_sm=4, decode="small"),
+    "d_w64_k128_s4_triton_decode": dict(_D, decode="small"),
 }
+_P = dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, programs_per_sm=2)
 PREFILL_SWEEP = {
-    "p_m64_w128_k64_s3": dict(BLOCK_M=64, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=3, programs_per_sm=1),
-    "p_m64_w128_k128_s2": dict(BLOCK_M=64, BLOCK_W=128, BLOCK_K=128, num_warps=8, num_stages=2, programs_per_sm=1),
+    "p_m64_w64_k64_s3": dict(_P),
+    "p_m64_w64_k64_s4": dict(_P, num_stages=4),
+    "p_m128_w64_k64_s3": dict(_P, BLOCK_M=128),
+    "p_m128_w64_k32_s4": dict(_P, BLOCK_M=128, BLOCK_K=32, num_stages=4),
     "p_m128_w128_k64_s2": dict(BLOCK_M=128, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=2, programs_per_sm=1),
-    "p_m32_w128_k64_s3": dict(BLOCK_M=32, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=3, programs_per_sm=1),
-    "p_m64_w64_k64_s3": dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, programs_per_sm=2),
 }
+GRAPH_MAX_TOKENS = 64  # decode sizes are also timed as CUDA graph replays (how the engine runs them)
 
 
 def _commit() -> str:
@@ -91,6 +101,33 @@ def _time(fn, iters: int, warmup: int, device: torch.device) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     times.sort()
+    return times[len(times) // 2]
+
+
+def graph_time(fn, replays: int) -> float:
+    """Median seconds per call of ``fn`` captured in a CUDA graph (no launch gaps, no Python): the time the
+    engine's captured decode step pays. Replays are timed in groups of 5 between two events."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(1, replays // 5)):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 5e3)
+    times.sort()
+    del g
     return times[len(times) // 2]
 
 
@@ -210,11 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
         act_bytes = 2 * (T * D + T * k * I * 2) + 4 * T * D * 2  # x, inter w+r, fp32 out (atomics) + cast
         flops = 2 * T * k * 3 * D * I
         ref = run_mxfp4_experts(x.float(), ex, topk_w, topk_ids) if use_triton else None
-        iters = 5 if args.smoke else (30 if T <= 64 else 5)
+        iters = 5 if args.smoke else (20 if T <= 64 else 5)
         configs: list[tuple[str, dict | None]] = [("default", None)]
         if use_triton and not args.no_sweep:
             sweep = DECODE_SWEEP if T * k <= 4 * E else PREFILL_SWEEP
-            configs += list(sweep.items())[:1] if args.smoke else list(sweep.items())
+            configs += list(sweep.items())[:2] if args.smoke else list(sweep.items())
+            configs.append(("default_again", None))  # the same config timed twice: the run's spread
         for name, cfg in configs:
             if use_triton:
                 fn = lambda c=cfg: run_mxfp4_experts_triton(x, ex, topk_w, topk_ids, c)  # noqa: E731
@@ -229,6 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
                     err = ((got - ref).abs().max() / ref.abs().max()).item()
                     run["rel_err"] = err if err == err else float("inf")  # NaN -> inf
                 t = _time(fn, iters, 1, device)
+                if device.type == "cuda" and T <= GRAPH_MAX_TOKENS:
+                    run["eager_us"] = t * 1e6
+                    t = graph_time(fn, 20)  # the engine's decode steps are CUDA graphs
+                    run["graph"] = True
             except Exception as e:  # a variant that does not compile or run here is recorded, not fatal
                 run["error"] = f"{type(e).__name__}: {e}"[:500]
                 result["runs"].append(run)
@@ -238,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
             run.update(time_us=t * 1e6, weight_bytes=w_bytes, activation_bytes=act_bytes, GBps=bw / 1e9,
                        frac_copy_bandwidth=bw / copy_bw, TFLOPs=flops / t / 1e12, frac_bf16_gemm=flops / t / gemm["best"])
             result["runs"].append(run)
-            print(f"T={T:5d} {name:28s} {t * 1e6:10.1f} us  {bw / 1e9:8.1f} GB/s ({bw / copy_bw:6.1%} of copy)  "
+            print(f"T={T:5d} {name:30s} {t * 1e6:10.1f} us{' (graph; eager %.1f)' % run['eager_us'] if 'eager_us' in run else ''}  "
+                  f"{bw / 1e9:8.1f} GB/s ({bw / copy_bw:6.1%} of copy)  "
                   f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / gemm['best']:6.1%} of bf16 GEMM)  "
                   f"rel err {run.get('rel_err', float('nan')):.2e}", flush=True)
         x = ref = None  # free before the next token count
@@ -272,7 +315,9 @@ def _tiles(t: dict) -> str:
     if not t:
         return "-"
     s = ",".join(str(t[k]) for k in ("BLOCK_M", "BLOCK_W", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm"))
-    return s + ("" if t.get("decode", "auto") == "auto" else f",{t['decode']}")
+    extra = [f"{k}={t[k]}" for k, d in (("decode", "auto"), ("maxnreg", None), ("align", "triton"))
+             if t.get(k, d) != d]
+    return ",".join([s] + extra)
 
 
 def markdown(r: dict) -> str:
@@ -288,23 +333,27 @@ def markdown(r: dict) -> str:
              f"{r['bf16_bytes_per_layer'] / 2**30:.2f} GiB ({r['packed_over_bf16']:.4f}x, {r['bits_per_weight']:.2f} bits/weight)."]
     if "ptx_decode_bitwise" in r:
         lines.append(f"bf16 PTX decode bitwise equal to the reference on all 256 bytes: {r['ptx_decode_bitwise']}.")
-    lines += ["", "| tokens | config | tiles (M,W,K,warps,stages,progs/SM) | experts hit | time (us) | GB/s | of copy BW "
-              "| TFLOP/s | of bf16 GEMM | rel err |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "| tokens | config | tiles (M,W,K,warps,stages,progs/SM) | experts hit | time (us) | eager (us) | GB/s "
+              "| of copy BW | TFLOP/s | of bf16 GEMM | rel err |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in r["runs"]:
         tiles = _tiles(x["tiles"])
         if "error" in x:
-            lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | failed: {x['error'][:120]} | | | | | | |")
+            lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | failed: {x['error'][:120]} | | | | | | | |")
             continue
         err = x.get("rel_err")
         flag = "" if err is None or err <= r["max_rel_err_allowed"] else " WRONG"
-        lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | {x['experts_hit']} | {x['time_us']:.1f} | {x['GBps']:.0f} | "
+        eager = f"{x['eager_us']:.1f}" if "eager_us" in x else "-"
+        lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | {x['experts_hit']} | {x['time_us']:.1f} | {eager} | {x['GBps']:.0f} | "
                      f"{x['frac_copy_bandwidth']:.1%} | {x['TFLOPs']:.1f} | {x['frac_bf16_gemm']:.1%} | "
                      + ("-" if err is None else f"{err:.2e}{flag}") + " |")
     lines += ["", "Best (correct) per token count: " + "; ".join(
         f"{t}: `{b['config']}` {b['time_us']:.1f} us ({b['frac_copy_bandwidth']:.1%} of copy, "
         f"{b['frac_bf16_gemm']:.1%} of bf16 GEMM)" for t, b in r["best"].items()) + ".",
-        "", "`default` = `default_config`; `d_*`/`p_*` = decode/prefill sweep (`BLOCK_W` weight rows per tile, "
-        "`BLOCK_K` columns per step); rel err = max |kernel - fp32 reference| / max |reference|.",
+        "", "`default` = `default_config` (`default_again`: timed again after the sweep, the run's spread); "
+        "`d_*`/`p_*` = decode/prefill sweep (`BLOCK_W` weight rows per tile, `BLOCK_K` columns per step, `s` stages, "
+        "`r128` maxnreg 128, `p3`/`p4` programs per SM); time = CUDA graph replay for "
+        f"<= {GRAPH_MAX_TOKENS} tokens on a GPU (eager: the Python call, launches included), else eager; "
+        "rel err = max |kernel - fp32 reference| / max |reference|.",
         f"\nWall time {r['wall_s']:.1f} s."]
     return "\n".join(lines) + "\n"
 

@@ -5,9 +5,10 @@ Same signature and result as the PyTorch reference ``longflash.layers.mxfp4.run_
 
 What one call does (bytes/FLOPs model and measurements: ``benchmarks/NOTES.md``):
 
-1. Torch ops, no host sync: ``moe_align`` sorts the T*k (token, slot) rows by expert and pads each expert
-   to BLOCK_M rows (row blocks of one expert each, the vLLM ``moe_align_block_size`` layout); an int32
-   scheduler buffer and the fp32 output are zeroed.
+1. No host sync: ``moe_align_triton`` (one launch; ``moe_align`` here is its PyTorch reference) sorts the
+   T*k (token, slot) rows by expert and pads each expert to BLOCK_M rows (row blocks of one expert each,
+   the vLLM ``moe_align_block_size`` layout) and zeroes the int32 scheduler counters; the fp32 output is
+   zeroed (``torch.zeros``).
 2. **One kernel launch** for all experts and both GEMMs. The work is a list of tiles:
    - gate/up tiles ``(row block m, I-tile j)``: ``h = act(x W1ᵀ, x W3ᵀ)`` for BLOCK_W intermediate columns
      of the block's rows (gate and up share the activation loads; SiTU or SiLU fused), stored in x's dtype
@@ -41,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longflash.layers.moe_align_triton import moe_align_triton
 from longflash.layers.mxfp4 import MXFP4Experts
 
 _ACT_CODES = {"silu": 0, "situ": 1}
@@ -154,7 +156,8 @@ def _dequant_pairs(q, s, dt: tl.constexpr, DECODE: tl.constexpr):
     (``_lo_nibble_small``). DECODE 2 (bf16, 2 <= every scale byte <= 252, CUDA): ``_dequant_bf16x2_asm``.
     """
     if DECODE == 2:
-        pairs = _dequant_bf16x2_asm(q, tl.broadcast_to((s << 7) | (s << 23), q.shape))
+        # the scale byte as a bf16x2 pair (s, s): (s << 7) | (s << 23), one multiply for s < 256
+        pairs = _dequant_bf16x2_asm(q, tl.broadcast_to(s * 0x00800080, q.shape))
         # the two halves of each int32 are put back side by side: a no-op in registers
         lo = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
         hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -230,6 +233,8 @@ def _wt_dot_act(acc, acc2, wq_row_ptrs, ws_row_ptrs, w_ok, second_q, second_s, a
     rows. a_col_ptrs [1, BM]: start of each activation row; a_ok [1, BM]: valid rows. K (a multiple of 32)
     is a compile-time constant (also: a runtime loop bound fails in the Triton 3.6 interpreter with
     NumPy 2); the activations are masked along K only when K is not a multiple of BLOCK_K.
+    NOTE: the scales are loaded one chunk ahead. Two chunks ahead (two loop-carried scale tiles) makes
+    Triton 3.6's pipeliner drop cp.async for the weight loads altogether (sm_90 SASS: no LDGSTS).
     """
     NG: tl.constexpr = BLOCK_K // 32
     offs_k = tl.arange(0, BLOCK_K)
@@ -413,23 +418,28 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, block_expert, block_end[-1:].to(torch.int32)
 
 
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_W", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm", "decode")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_W", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm", "decode", "maxnreg",
+               "align")
 DECODES = {"general": 0, "small": 1, "asm": 2}
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
     """Tiles by the mean number of rows per expert hit: decode (<= 16) takes BLOCK_M 16, the MMA's smallest N;
-    prefill takes BLOCK_M 128 (the decode of each weight tile is shared by more tokens) and two warpgroups
-    on 128 weight rows. NOTE: BLOCK_W should be 64 x (num_warps / 4): the dequantized tile is the wgmma's
-    register operand, and warpgroups that split the tokens instead would each decode it.
+    prefill takes BLOCK_M 64 with one warpgroup on 64 weight rows, two programs per SM (the fastest of the
+    first H200 sweep: 28.5 ms at 4096 tokens against 32.4 ms for BLOCK_M 128 on two warpgroups).
+    NOTE: BLOCK_W should be 64 x (num_warps / 4): the dequantized tile is the wgmma's register operand, and
+    warpgroups that split the tokens instead would each decode it. ``maxnreg`` caps the registers per thread
+    (None: the compiler's choice), so that more programs fit on an SM; ``align``: ``triton`` (one launch)
+    or ``torch`` (the reference ops).
     Picked from ``benchmarks/mxfp4_moe.py`` sweeps (``benchmarks/NOTES.md``)."""
     rows = num_tokens * top_k
     per_expert = rows / max(1, min(rows, num_experts))
+    common = dict(decode="auto", maxnreg=None, align="triton")
     if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2, decode="auto")
+        return dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2, **common)
     if per_expert <= 48:
-        return dict(BLOCK_M=32, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2, decode="auto")
-    return dict(BLOCK_M=128, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=2, programs_per_sm=1, decode="auto")
+        return dict(BLOCK_M=32, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2, **common)
+    return dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, programs_per_sm=2, **common)
 
 
 def choose_decode(experts: MXFP4Experts, which: str, dtype: torch.dtype, on_cuda: bool, want: str = "auto") -> int:
@@ -462,8 +472,9 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
     ``config`` overrides ``default_config`` (keys in ``CONFIG_KEYS``): tile sizes BLOCK_M (token rows),
     BLOCK_W (weight rows), BLOCK_K (input columns per step; all powers of two, >= 16, BLOCK_K >= 32);
     num_warps, num_stages; programs_per_sm (the persistent grid is SMs x this); decode (auto, asm, small,
-    general: see ``choose_decode``). Raises ValueError for a shape that does not match ``experts``, an
-    unknown activation, an unknown config key, a bad tile size or a decode that is not exact here.
+    general: see ``choose_decode``); maxnreg (None or a register cap per thread); align (triton or
+    torch). Raises ValueError for a shape that does not match ``experts``, an unknown
+    activation, an unknown config key or value, a bad tile size or a decode that is not exact here.
     """
     if x.dim() != 2 or x.shape[1] != experts.hidden_size:
         raise ValueError(f"x has shape {list(x.shape)}, the experts expect [T, {experts.hidden_size}]")
@@ -485,19 +496,24 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
     for name, v, least in (("BLOCK_M", bm, 16), ("BLOCK_W", bw, 16), ("BLOCK_K", bk, 32)):
         if v < least or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
+    if cfg["align"] not in ("triton", "torch"):
+        raise ValueError(f"align must be triton or torch, got {cfg['align']!r}")
     on_cuda = x.is_cuda
     dec13 = choose_decode(experts, "w13", x.dtype, on_cuda, cfg["decode"])
     dec2 = choose_decode(experts, "w2", x.dtype, on_cuda, cfg["decode"])
     x = x.contiguous()
-    sorted_ids, block_expert, num_blocks = moe_align(topk_ids, E, bm)
+    if cfg["align"] == "triton":
+        sorted_ids, block_expert, sched = moe_align_triton(topk_ids, E, bm)
+    else:
+        sorted_ids, block_expert, num_blocks = moe_align(topk_ids, E, bm)
+        sched = torch.zeros(2 + block_expert.numel(), dtype=torch.int32, device=x.device)
+        sched[1:2] = num_blocks
     max_blocks = block_expert.numel()
     rows = T * k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     beta, lbeta = (experts.act_params + (4.0, 25.0))[:2] if experts.activation == "situ" else (1.0, 1.0)
     inter = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    sched = torch.zeros(2 + max_blocks, dtype=torch.int32, device=x.device)
-    sched[1:2] = num_blocks
     n_tiles_max = max_blocks * (triton.cdiv(I, bw) + triton.cdiv(D, bw))
     grid = (max(1, min(n_tiles_max, _num_sms(x.device) * cfg["programs_per_sm"])),)
     w13q, w13s, w2q, w2s = (experts.w13_weight_packed, experts.w13_weight_scale,
@@ -510,5 +526,6 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
         float(beta), float(lbeta),
         D=D, I=I, ACT=_ACT_CODES[experts.activation], BLOCK_M=bm, BLOCK_W=bw, BLOCK_K=bk,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DECODE13=dec13, DECODE2=dec2,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
     return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -6,8 +6,9 @@ an fp8 cache.
 Matrix (issue 6: TP in {1, 2} x DCP in {1, 2, 4} where DCP divides TP): tp 2 / dcp 1 and tp 2 / dcp 2
 on the tiny DeepSeek-V3 and the default model (Kimi-K3 architecture), against tp 1 / dcp 1; tp 4 / dcp
 2 on the tiny model; the tiny Qwen3 (GQA, 4 query / 2 KV heads) at tp 2 (KV heads split) and tp 4 (KV
-heads replicated), and its fp8 scale calculated as the max over the ranks' KV heads. tp 4 / dcp 4 runs in the passkey test, in ``test_dcp_model.py`` (runner level, tiny
-model, now with sharded weights); ``test_dcp_engine.py`` runs tp 2 / dcp 2 too.
+heads replicated), and its fp8 scale calculated as the max over the ranks' KV heads. tp 4 / dcp 4 runs
+in the passkey test and in ``test_dcp_model.py`` (runner level, tiny model, now with sharded weights);
+``test_dcp_engine.py`` runs tp 2 / dcp 2 too.
 
 Each run scores a 57-token prompt in 12-token chunks with a 4-row context workspace (block 4: up to 14
 context chunks), a 49-token prompt that hits the prefix cache (48 tokens), ``[5, 6, 7]`` in 1-token
@@ -150,7 +151,8 @@ def test_shards_are_slices_of_the_full_weights(tiny_model):
                 seen.add(type(m).__name__)
         assert seen == {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead"}
         a = part.model.layers[1].self_attn
-        assert a.num_heads == 2 and a.kv_a_proj_with_mqa.weight.shape == fp["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].shape
+        assert a.num_heads == 2
+        assert torch.equal(a.kv_a_proj_with_mqa.weight, fp["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"])
     odd = ParallelLMHead(8, 10, tp=comm.planned_tp_group(3, 2))
     assert (odd.start, odd.length, odd.weight.shape[0]) == (8, 2, 4)
 

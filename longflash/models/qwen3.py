@@ -26,7 +26,8 @@ class Qwen3DecoderLayer(nn.Module):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = GQAAttention(H, cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                                      _head_dim(cfg), rotary, eps, qk_norm=True, bias=cfg.get("attention_bias", False), tp=tp)
+                                      _head_dim(cfg), rotary, eps, qk_norm=True, bias=cfg.get("attention_bias", False),
+                                      tp=tp)
         self.mlp = GatedMLP(H, cfg["intermediate_size"], get_act_and_mul(cfg), tp=tp)
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)

@@ -47,7 +47,9 @@ MAX_REL_ERR = 2e-2  # bf16 rounding of x·W and of the activation, fp32 accumula
 # the wgmma's register operand, so two warpgroups on one BLOCK_W = 64 tile would both decode it.
 # Second version (after the first H200 run): more resident warps per SM (maxnreg 128 lets 3-4 programs of
 # 4 warps fit: the kernel needs 110 registers at that cap, no spills, the same loop code), deeper pipelines,
-# the one-launch align vs the torch ops (diagnostic), the Triton decode (diagnostic: decode cost).
+# the one-launch align vs the torch ops (diagnostic), the Triton decode (diagnostic: decode cost), down
+# tiles of 2 x 64 output columns (`pair`: the bytes per K step of a gate/up tile; 168 registers without a
+# cap, so 3 programs per SM fit; prefill BM 64 drops from 255 to 167 registers).
 _D = dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2)
 DECODE_SWEEP = {
     "d_w64_k128_s4": dict(_D),
@@ -56,6 +58,8 @@ DECODE_SWEEP = {
     "d_w64_k128_s4_r128_p4": dict(_D, maxnreg=128, programs_per_sm=4),
     "d_w64_k128_s5_r128_p4": dict(_D, maxnreg=128, programs_per_sm=4, num_stages=5),
     "d_w64_k128_s3_r128_p4": dict(_D, maxnreg=128, programs_per_sm=4, num_stages=3),
+    "d_w64_k128_s4_pair_p3": dict(_D, down_pair=True, programs_per_sm=3),
+    "d_w64_k128_s4_pair_r128_p4": dict(_D, down_pair=True, maxnreg=128, programs_per_sm=4),
     "d_w64_k128_s4_r128_p4_triton_decode": dict(_D, maxnreg=128, programs_per_sm=4, decode="small"),
     "d_w64_k128_s4_triton_decode": dict(_D, decode="small"),
 }
@@ -63,6 +67,7 @@ _P = dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, program
 PREFILL_SWEEP = {
     "p_m64_w64_k64_s3": dict(_P),
     "p_m64_w64_k64_s4": dict(_P, num_stages=4),
+    "p_m64_w64_k64_s3_pair_p3": dict(_P, down_pair=True, programs_per_sm=3),
     "p_m128_w64_k64_s3": dict(_P, BLOCK_M=128),
     "p_m128_w64_k32_s4": dict(_P, BLOCK_M=128, BLOCK_K=32, num_stages=4),
     "p_m128_w128_k64_s2": dict(BLOCK_M=128, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=2, programs_per_sm=1),
@@ -280,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
             run.update(time_us=t * 1e6, weight_bytes=w_bytes, activation_bytes=act_bytes, GBps=bw / 1e9,
                        frac_copy_bandwidth=bw / copy_bw, TFLOPs=flops / t / 1e12, frac_bf16_gemm=flops / t / gemm["best"])
             result["runs"].append(run)
-            print(f"T={T:5d} {name:30s} {t * 1e6:10.1f} us{' (graph; eager %.1f)' % run['eager_us'] if 'eager_us' in run else ''}  "
+            how = f" (graph; eager {run['eager_us']:.1f})" if "eager_us" in run else ""
+            print(f"T={T:5d} {name:30s} {t * 1e6:10.1f} us{how}  "
                   f"{bw / 1e9:8.1f} GB/s ({bw / copy_bw:6.1%} of copy)  "
                   f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / gemm['best']:6.1%} of bf16 GEMM)  "
                   f"rel err {run.get('rel_err', float('nan')):.2e}", flush=True)
@@ -315,8 +321,8 @@ def _tiles(t: dict) -> str:
     if not t:
         return "-"
     s = ",".join(str(t[k]) for k in ("BLOCK_M", "BLOCK_W", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm"))
-    extra = [f"{k}={t[k]}" for k, d in (("decode", "auto"), ("maxnreg", None), ("align", "triton"))
-             if t.get(k, d) != d]
+    defaults = (("decode", "auto"), ("maxnreg", None), ("down_pair", False), ("align", "triton"))
+    extra = [f"{k}={t[k]}" for k, d in defaults if t.get(k, d) != d]
     return ",".join([s] + extra)
 
 
@@ -333,8 +339,9 @@ def markdown(r: dict) -> str:
              f"{r['bf16_bytes_per_layer'] / 2**30:.2f} GiB ({r['packed_over_bf16']:.4f}x, {r['bits_per_weight']:.2f} bits/weight)."]
     if "ptx_decode_bitwise" in r:
         lines.append(f"bf16 PTX decode bitwise equal to the reference on all 256 bytes: {r['ptx_decode_bitwise']}.")
-    lines += ["", "| tokens | config | tiles (M,W,K,warps,stages,progs/SM) | experts hit | time (us) | eager (us) | GB/s "
-              "| of copy BW | TFLOP/s | of bf16 GEMM | rel err |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "| tokens | config | tiles (M,W,K,warps,stages,progs/SM) | experts hit | time (us) | eager (us) "
+              "| GB/s | of copy BW | TFLOP/s | of bf16 GEMM | rel err |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in r["runs"]:
         tiles = _tiles(x["tiles"])
         if "error" in x:
@@ -343,7 +350,8 @@ def markdown(r: dict) -> str:
         err = x.get("rel_err")
         flag = "" if err is None or err <= r["max_rel_err_allowed"] else " WRONG"
         eager = f"{x['eager_us']:.1f}" if "eager_us" in x else "-"
-        lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | {x['experts_hit']} | {x['time_us']:.1f} | {eager} | {x['GBps']:.0f} | "
+        lines.append(f"| {x['tokens']} | {x['config']} | {tiles} | {x['experts_hit']} | {x['time_us']:.1f} | {eager} "
+                     f"| {x['GBps']:.0f} | "
                      f"{x['frac_copy_bandwidth']:.1%} | {x['TFLOPs']:.1f} | {x['frac_bf16_gemm']:.1%} | "
                      + ("-" if err is None else f"{err:.2e}{flag}") + " |")
     lines += ["", "Best (correct) per token count: " + "; ".join(
@@ -351,7 +359,8 @@ def markdown(r: dict) -> str:
         f"{b['frac_bf16_gemm']:.1%} of bf16 GEMM)" for t, b in r["best"].items()) + ".",
         "", "`default` = `default_config` (`default_again`: timed again after the sweep, the run's spread); "
         "`d_*`/`p_*` = decode/prefill sweep (`BLOCK_W` weight rows per tile, `BLOCK_K` columns per step, `s` stages, "
-        "`r128` maxnreg 128, `p3`/`p4` programs per SM); time = CUDA graph replay for "
+        "`r128` maxnreg 128, `p3`/`p4` programs per SM, `pair` down tiles of 2 x BLOCK_W columns); "
+        "time = CUDA graph replay for "
         f"<= {GRAPH_MAX_TOKENS} tokens on a GPU (eager: the Python call, launches included), else eager; "
         "rel err = max |kernel - fp32 reference| / max |reference|.",
         f"\nWall time {r['wall_s']:.1f} s."]

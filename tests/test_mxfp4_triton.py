@@ -98,7 +98,11 @@ def _interpreter_checks() -> dict:
              (even, 40, "silu", dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=256)),
              # the reference align ops (a register cap: ignored by the interpreter), K 96 = 3 chunks of 32
              (even, 7, "situ", dict(BLOCK_K=128, align="torch", maxnreg=128)),
-             (small, 9, "silu", dict(BLOCK_K=32, programs_per_sm=4))]
+             (small, 9, "silu", dict(BLOCK_K=32, programs_per_sm=4)),
+             # paired down tiles: D 96 = 1.5 pairs of BLOCK_W 32 (the second half of the last pair masked), and
+             # D 256 = 2 whole pairs of 64
+             (small, 33, "situ", dict(BLOCK_M=16, BLOCK_W=32, BLOCK_K=32, down_pair=True)),
+             (even, 20, "silu", dict(down_pair=True))]
     for (E, D, I, k), T, act, cfg in cases:
         ex = _experts(E, D, I, act, seed=T)
         w, ids = _routing(T, E, k, seed=T)
@@ -144,7 +148,8 @@ def test_interpreter_decode_in_registers_is_exact(interp):
 
 
 def test_one_launch_align_equals_reference(interp):
-    assert len(interp["align_triton_equal"]) == 5 and all(interp["align_triton_equal"].values()), interp["align_triton_equal"]
+    same = interp["align_triton_equal"]
+    assert len(same) == 5 and all(same.values()), same
 
 
 def test_moe_align_sorts_and_pads_per_expert(interp):
@@ -157,7 +162,7 @@ def test_moe_align_sorts_and_pads_per_expert(interp):
 
 
 def test_interpreter_kernel_equals_reference(interp):
-    assert len(interp["rel_err"]) == 10
+    assert len(interp["rel_err"]) == 12
     for case, err in interp["rel_err"].items():
         assert err <= FP32_REL, (case, err)
     assert interp["fp16_rel_err"] <= 3e-3  # fp16 rounding of x·W, the activation and the slot rows
@@ -195,15 +200,15 @@ def _compile_sm90() -> dict:
     ints = ["num_rows", "top_k", "stride_xm", "stride_13qe", "stride_13qn", "stride_13se", "stride_13sn",
             "stride_2qe", "stride_2qn", "stride_2se", "stride_2sn", "stride_im", "stride_om"]
     out = {}
-    for dec, bm, bw, bk, warps, maxnreg in [(2, 16, 64, 128, 4, 128), (2, 64, 64, 64, 4, None),
-                                            (1, 16, 64, 128, 4, None), (0, 32, 64, 64, 4, None)]:
+    for dec, bm, bw, bk, warps, maxnreg, pair in [(2, 16, 64, 128, 4, 128, False), (2, 64, 64, 64, 4, None, True),
+                                                  (1, 16, 64, 128, 4, None, False), (0, 32, 64, 64, 4, None, True)]:
         consts = dict(D=3584, I=3072, ACT=1, BLOCK_M=bm, BLOCK_W=bw, BLOCK_K=bk, DOT_PRECISION="tf32",
-                      DECODE13=dec, DECODE2=dec)
+                      DECODE13=dec, DECODE2=dec, DOWN_PAIR=pair)
         sig = dict(ptrs, **{n: "i32" for n in ints}, beta="fp32", linear_beta="fp32", **{c: "constexpr" for c in consts})
         idx = kern.arg_names.index
         src = ASTSource(fn=kern, signature=sig, constexprs={(idx(n),): v for n, v in consts.items()},
                         attrs={(idx(n),): [["tt.divisibility", 16]] for n in list(ptrs) + ints[2:]})
-        key = f"decode={dec},BM={bm},BW={bw},BK={bk},warps={warps},maxnreg={maxnreg}"
+        key = f"decode={dec},BM={bm},BW={bw},BK={bk},warps={warps},maxnreg={maxnreg},down_pair={pair}"
         try:
             opts = dict(num_warps=warps, num_stages=3, **({"maxnreg": maxnreg} if maxnreg else {}))
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -262,7 +267,8 @@ def k3_experts():
 def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T, k3_experts):
     """Top-16 of 32 experts; 1 token takes the decode tiles, 64 tokens (32 rows per expert) BLOCK_M 32, 300
     the prefill tiles: bf16 activations with the PTX decode (the default config); at 64 tokens also the
-    Triton decode with 4 programs per SM under a 128-register cap and the reference align ops, and fp32
+    Triton decode with 4 programs per SM under a 128-register cap, paired down tiles and the reference
+    align ops, and fp32
     activations. Against the fp32 reference of the same inputs. One compile per case (5 in all)."""
     from longflash.layers.mxfp4 import run_mxfp4_experts
     from longflash.layers.mxfp4_moe_triton import run_mxfp4_experts_triton
@@ -270,7 +276,8 @@ def test_gpu_kernel_equals_reference_at_kimi_k3_shapes(T, k3_experts):
     w, ids = _routing(T, ex.num_experts, k, seed=T, device="cuda")
     x = (torch.randn(T, 3584, generator=torch.Generator().manual_seed(T)) * 0.05).to("cuda", torch.bfloat16)
     ref = run_mxfp4_experts(x.float(), ex, w, ids)  # fp32 reference of the same bf16 inputs
-    configs = [None] + ([dict(decode="small", maxnreg=128, programs_per_sm=4, align="torch")] if T == 64 else [])
+    configs = [None] + ([dict(decode="small", maxnreg=128, programs_per_sm=4, align="torch", down_pair=True)]
+                        if T == 64 else [])
     for cfg in configs:
         got = run_mxfp4_experts_triton(x, ex, w, ids, cfg)
         assert torch.isfinite(got).all()

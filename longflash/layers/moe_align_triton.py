@@ -84,7 +84,8 @@ def _moe_align_kernel(ids_ptr, ws_ptr, n, max_blocks, num_experts,
         start += CHUNK
 
 
-def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``moe_align`` layout in one launch, plus the MXFP4 MoE kernel's zeroed scheduler counters.
 
     topk_ids [T, k] int (values in [0, num_experts); others are dropped, not checked: that needs a host

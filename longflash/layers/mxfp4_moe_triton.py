@@ -223,11 +223,12 @@ def _load_dequant(q_row_ptrs, sc, w_ok, kc, K: tl.constexpr, dt: tl.constexpr, B
 
 
 @triton.jit
-def _wt_dot_act(acc, acc2, wq_row_ptrs, ws_row_ptrs, w_ok, second_q, second_s, a_col_ptrs, a_ok,
+def _wt_dot_act(acc, acc2, wq_row_ptrs, ws_row_ptrs, w_ok, second_q, second_s, second_ok, a_col_ptrs, a_ok,
                 K: tl.constexpr, dt: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, A_CACHE: tl.constexpr):
     """acc [BW, BM] += W [BW, K] @ Aᵀ [K, BM] over the whole K, W MXFP4-packed; when GATED also
-    acc2 += W' Aᵀ with W' the rows ``second_q`` / ``second_s`` bytes further on (the up projection).
+    acc2 += W' Aᵀ with W' the rows ``second_q`` / ``second_s`` bytes further on (the up projection, or
+    the next BW rows of a paired down tile), valid where ``second_ok`` [BW, 1]; both share the activations.
 
     wq_row_ptrs / ws_row_ptrs [BW, 1]: start of each weight row's packed / scale bytes; w_ok [BW, 1]: valid
     rows. a_col_ptrs [1, BM]: start of each activation row; a_ok [1, BM]: valid rows. K (a multiple of 32)
@@ -243,13 +244,13 @@ def _wt_dot_act(acc, acc2, wq_row_ptrs, ws_row_ptrs, w_ok, second_q, second_s, a
     sc_next = _load_scales(ws_row_ptrs, w_ok, 0, K, NG)
     sc2_next = sc_next
     if GATED:
-        sc2_next = _load_scales(ws_row_ptrs + second_s, w_ok, 0, K, NG)
+        sc2_next = _load_scales(ws_row_ptrs + second_s, second_ok, 0, K, NG)
     for kc in range(0, K, BLOCK_K):
         sc = sc_next
         sc2 = sc2_next
         sc_next = _load_scales(ws_row_ptrs, w_ok & (kc + BLOCK_K < K), kc + BLOCK_K, K, NG)
         if GATED:
-            sc2_next = _load_scales(ws_row_ptrs + second_s, w_ok & (kc + BLOCK_K < K), kc + BLOCK_K, K, NG)
+            sc2_next = _load_scales(ws_row_ptrs + second_s, second_ok & (kc + BLOCK_K < K), kc + BLOCK_K, K, NG)
         if K % BLOCK_K == 0:
             a = tl.load(a_ptrs + kc, mask=a_ok, other=0.0, cache_modifier=A_CACHE)
         else:
@@ -257,7 +258,7 @@ def _wt_dot_act(acc, acc2, wq_row_ptrs, ws_row_ptrs, w_ok, second_q, second_s, a
         w = _load_dequant(wq_row_ptrs, sc, w_ok, kc, K, dt, BLOCK_K, DECODE)
         acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
         if GATED:
-            w = _load_dequant(wq_row_ptrs + second_q, sc2, w_ok, kc, K, dt, BLOCK_K, DECODE)
+            w = _load_dequant(wq_row_ptrs + second_q, sc2, second_ok, kc, K, dt, BLOCK_K, DECODE)
             acc2 = tl.dot(w, a, acc2, input_precision=DOT_PRECISION)
     return acc, acc2
 
@@ -281,7 +282,8 @@ def _gate_up_tile(m, j, x_ptr, w13q_ptr, w13s_ptr, inter_ptr, sorted_ids_ptr, bl
     acc_u = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
     acc_g, acc_u = _wt_dot_act(acc_g, acc_u, w13q_ptr + e * stride_qe + offs_i[:, None].to(tl.int64) * stride_qn,
                                w13s_ptr + e * stride_se + offs_i[:, None].to(tl.int64) * stride_sn, i_ok[:, None],
-                               I * stride_qn, I * stride_sn, x_ptr + toks[None, :] * stride_xm, row_ok[None, :],
+                               I * stride_qn, I * stride_sn, i_ok[:, None],
+                               x_ptr + toks[None, :] * stride_xm, row_ok[None, :],
                                D, dt, True, BLOCK_K, DOT_PRECISION, DECODE, "")
     # The reference rounds gate/up to the activation dtype before the activation; so do we.
     g = acc_g.to(dt).to(tl.float32)
@@ -303,8 +305,10 @@ def _down_tile(m, d, inter_ptr, w2q_ptr, w2s_ptr, out_ptr, sorted_ids_ptr, block
                ready_ptr, num_rows, top_k, stride_im, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                D: tl.constexpr, I: tl.constexpr, N_I_TILES: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr):
-    """out[tokens of block m, D-tile d] += routing weight * (h W2ᵀ), once block m's h is complete."""
+               DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, DOWN_PAIR: tl.constexpr):
+    """out[tokens of block m, D-tile d] += routing weight * (h W2ᵀ), once block m's h is complete.
+    DOWN_PAIR: the tile is 2 x BLOCK_W output columns, two products sharing each activation chunk (as a
+    gate/up tile does): the same packed bytes per K step as a gate/up tile."""
     # wait for the N_I_TILES gate/up tiles of this block (all handed out before this tile, see the module doc)
     while tl.atomic_add(ready_ptr + m, 0, sem="acquire", scope="gpu") < N_I_TILES:
         pass
@@ -313,20 +317,27 @@ def _down_tile(m, d, inter_ptr, w2q_ptr, w2s_ptr, out_ptr, sorted_ids_ptr, block
     rows = tl.load(sorted_ids_ptr + m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < num_rows
     toks = (rows // top_k).to(tl.int64)
-    offs_d = d * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_d = d * BLOCK_W * (1 + DOWN_PAIR) + tl.arange(0, BLOCK_W)
     d_ok = offs_d < D
+    d2_ok = (offs_d + BLOCK_W) < D
     dt = inter_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
     # inter is read through L2 (.cg): other SMs wrote it during this launch
-    acc, _ = _wt_dot_act(acc, acc, w2q_ptr + e * stride_qe + offs_d[:, None].to(tl.int64) * stride_qn,
-                           w2s_ptr + e * stride_se + offs_d[:, None].to(tl.int64) * stride_sn, d_ok[:, None], 0, 0,
-                           inter_ptr + rows[None, :].to(tl.int64) * stride_im, row_ok[None, :],
-                           I, dt, False, BLOCK_K, DOT_PRECISION, DECODE, ".cg")
+    acc, acc2 = _wt_dot_act(acc, acc2, w2q_ptr + e * stride_qe + offs_d[:, None].to(tl.int64) * stride_qn,
+                            w2s_ptr + e * stride_se + offs_d[:, None].to(tl.int64) * stride_sn, d_ok[:, None],
+                            BLOCK_W * stride_qn, BLOCK_W * stride_sn, d2_ok[:, None],
+                            inter_ptr + rows[None, :].to(tl.int64) * stride_im, row_ok[None, :],
+                            I, dt, DOWN_PAIR, BLOCK_K, DOT_PRECISION, DECODE, ".cg")
     w = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0)
     # the reference's rounding: y in the activation dtype, times the weight in that dtype
-    y = (acc.to(dt).to(tl.float32) * w[None, :].to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    tl.atomic_add(out_ptr + toks[None, :] * stride_om + offs_d[:, None], y, mask=d_ok[:, None] & row_ok[None, :],
-                  sem="relaxed")
+    wt = w[None, :].to(dt).to(tl.float32)
+    y = (acc.to(dt).to(tl.float32) * wt).to(dt).to(tl.float32)
+    out_ptrs = out_ptr + toks[None, :] * stride_om + offs_d[:, None]
+    tl.atomic_add(out_ptrs, y, mask=d_ok[:, None] & row_ok[None, :], sem="relaxed")
+    if DOWN_PAIR:
+        y2 = (acc2.to(dt).to(tl.float32) * wt).to(dt).to(tl.float32)
+        tl.atomic_add(out_ptrs + BLOCK_W, y2, mask=d2_ok[:, None] & row_ok[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -339,12 +350,12 @@ def _mxfp4_moe_kernel(
     beta, linear_beta,
     D: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DECODE13: tl.constexpr, DECODE2: tl.constexpr,
+    DECODE13: tl.constexpr, DECODE2: tl.constexpr, DOWN_PAIR: tl.constexpr,
 ):
     """The whole routed-expert layer (see the module docstring). sched_ptr int32: [0] the tile counter,
     [1] the number of row blocks in use, [2 + m] the finished gate/up tiles of block m; zero except [1]."""
     N_I_TILES: tl.constexpr = (I + BLOCK_W - 1) // BLOCK_W
-    N_D_TILES: tl.constexpr = (D + BLOCK_W - 1) // BLOCK_W
+    N_D_TILES: tl.constexpr = (D + BLOCK_W * (1 + DOWN_PAIR) - 1) // (BLOCK_W * (1 + DOWN_PAIR))
     n_blocks = tl.load(sched_ptr + 1)
     n_gate_up = n_blocks * N_I_TILES
     n_tiles = n_gate_up + n_blocks * N_D_TILES
@@ -361,7 +372,7 @@ def _mxfp4_moe_kernel(
             _down_tile(td // N_D_TILES, td % N_D_TILES, inter_ptr, w2q_ptr, w2s_ptr, out_ptr, sorted_ids_ptr,
                        block_expert_ptr, topk_w_ptr, ready_ptr, num_rows, top_k, stride_im, stride_2qe,
                        stride_2qn, stride_2se, stride_2sn, stride_om, D, I, N_I_TILES,
-                       BLOCK_M, BLOCK_W, BLOCK_K, DOT_PRECISION, DECODE2)
+                       BLOCK_M, BLOCK_W, BLOCK_K, DOT_PRECISION, DECODE2, DOWN_PAIR)
         t = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
 
 
@@ -419,7 +430,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_W", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm", "decode", "maxnreg",
-               "align")
+               "down_pair", "align")
 DECODES = {"general": 0, "small": 1, "asm": 2}
 
 
@@ -429,12 +440,13 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
     first H200 sweep: 28.5 ms at 4096 tokens against 32.4 ms for BLOCK_M 128 on two warpgroups).
     NOTE: BLOCK_W should be 64 x (num_warps / 4): the dequantized tile is the wgmma's register operand, and
     warpgroups that split the tokens instead would each decode it. ``maxnreg`` caps the registers per thread
-    (None: the compiler's choice), so that more programs fit on an SM; ``align``: ``triton`` (one launch)
-    or ``torch`` (the reference ops).
+    (None: the compiler's choice), so that more programs fit on an SM; ``down_pair``: down tiles of
+    2 x BLOCK_W output columns (two products per activation chunk, the bytes per K step of a gate/up tile);
+    ``align``: ``triton`` (one launch) or ``torch`` (the reference ops).
     Picked from ``benchmarks/mxfp4_moe.py`` sweeps (``benchmarks/NOTES.md``)."""
     rows = num_tokens * top_k
     per_expert = rows / max(1, min(rows, num_experts))
-    common = dict(decode="auto", maxnreg=None, align="triton")
+    common = dict(decode="auto", maxnreg=None, down_pair=False, align="triton")
     if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2, **common)
     if per_expert <= 48:
@@ -472,8 +484,8 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
     ``config`` overrides ``default_config`` (keys in ``CONFIG_KEYS``): tile sizes BLOCK_M (token rows),
     BLOCK_W (weight rows), BLOCK_K (input columns per step; all powers of two, >= 16, BLOCK_K >= 32);
     num_warps, num_stages; programs_per_sm (the persistent grid is SMs x this); decode (auto, asm, small,
-    general: see ``choose_decode``); maxnreg (None or a register cap per thread); align (triton or
-    torch). Raises ValueError for a shape that does not match ``experts``, an unknown
+    general: see ``choose_decode``); maxnreg (None or a register cap per thread); down_pair (bool);
+    align (triton or torch). Raises ValueError for a shape that does not match ``experts``, an unknown
     activation, an unknown config key or value, a bad tile size or a decode that is not exact here.
     """
     if x.dim() != 2 or x.shape[1] != experts.hidden_size:
@@ -514,7 +526,8 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
     beta, lbeta = (experts.act_params + (4.0, 25.0))[:2] if experts.activation == "situ" else (1.0, 1.0)
     inter = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    n_tiles_max = max_blocks * (triton.cdiv(I, bw) + triton.cdiv(D, bw))
+    pair = bool(cfg["down_pair"])
+    n_tiles_max = max_blocks * (triton.cdiv(I, bw) + triton.cdiv(D, bw * (1 + pair)))
     grid = (max(1, min(n_tiles_max, _num_sms(x.device) * cfg["programs_per_sm"])),)
     w13q, w13s, w2q, w2s = (experts.w13_weight_packed, experts.w13_weight_scale,
                             experts.w2_weight_packed, experts.w2_weight_scale)
@@ -526,6 +539,6 @@ def run_mxfp4_experts_triton(x: torch.Tensor, experts: MXFP4Experts, topk_weight
         float(beta), float(lbeta),
         D=D, I=I, ACT=_ACT_CODES[experts.activation], BLOCK_M=bm, BLOCK_W=bw, BLOCK_K=bk,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DECODE13=dec13, DECODE2=dec2,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOWN_PAIR=pair, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
     return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longflash.attention import ops
-from longflash.distributed.dcp import (dcp_combine, dcp_local_seq_lens, dcp_local_to_global, dcp_owner,
+from longflash.distributed.dcp import (dcp_combine, dcp_gathered_rows, dcp_local_seq_lens, dcp_local_to_global, dcp_owner, dcp_padded_local_len,
                                        dcp_slot_mapping, mla_decode_attention_local)
 
 NEG = -1  # readability of the tables
@@ -73,6 +73,21 @@ def test_layout_is_a_dense_bijection(dcp, interleave, bs):
         assert local_idx.tolist() == list(range(mine.numel()))
         assert dcp_local_to_global(local_idx, dcp, r, interleave).tolist() == pos[owner == r].tolist()
         assert lens[:, r].tolist() == [int((owner[:n] == r).sum()) for n in range(L + 1)]
+
+
+def test_padded_local_len_and_gathered_rows():
+    """Prefill context under DCP: every rank gathers cdiv(L, dcp*I)*I rows (at least the largest local
+    length, less than I more), and the rows past a rank's true length are left out."""
+    for L in range(0, 40):
+        for dcp, interleave in ((2, 1), (4, 1), (4, 2), (2, 4)):
+            p = dcp_padded_local_len(L, dcp, interleave)
+            true = dcp_local_seq_lens([L], dcp, interleave)[0]
+            assert int(true.max()) <= p < int(true.max()) + interleave and p % interleave == 0
+    # L = 5, dcp 2, I 1: ranks hold 3 and 2 rows. One segment [0, 3) at offset 0 of a 3-row workspace:
+    assert dcp_gathered_rows(0, 3, 0, [3, 2], 3).tolist() == [0, 1, 2, 3, 4]
+    # a segment of local rows [2, 3) at offset 1 of a 2-row workspace: only rank 0 has a row 2
+    assert dcp_gathered_rows(2, 1, 1, [3, 2], 2).tolist() == [1]
+    assert dcp_gathered_rows(0, 2, 0, [1, 0, 0, 0], 2).tolist() == [0]     # context shorter than dcp
 
 
 def test_combine_hand_values():

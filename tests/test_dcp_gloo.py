@@ -84,6 +84,10 @@ def _dcp_worker(rank, world, port, tp, dcp, out_dir):
                 hs = H // ps.dcp_size
                 sel = slice(ps.dcp_rank * hs, (ps.dcp_rank + 1) * hs)
                 d = max(d, float((so - ref_o[:, sel]).abs().max()), float((sl - ref_l[:, sel]).abs().max()))
+                # under TP (the engine's decode): each rank brings its heads, the group's are all-gathered
+                go, gl = dcp_mla_decode(q[:, sel].contiguous(), cache, table, qsl, seq_lens, 0.3, R_LAT, ps.dcp,
+                                        interleave, k_scale, gather_heads=True)
+                d = max(d, float((go - ref_o[:, sel]).abs().max()), float((gl - ref_l[:, sel]).abs().max()))
                 res["diffs"].append(d)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)

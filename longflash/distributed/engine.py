@@ -1,4 +1,7 @@
-"""Start the DCP process model from an LLMEngine (rank 0) and run the worker ranks.
+"""Start the TP/DCP process model from an LLMEngine (rank 0) and run the worker ranks.
+
+Rank 0 has already built its weight shards (``comm.planned_tp_group``); each worker builds its own
+after joining the group (``load_model`` reads only the rank's slices).
 
 Single host: rank 0 (the process that builds the engine) starts ranks 1..N-1 itself (forkserver),
 on ``--master-port`` or a free port. Multi-host: launch every rank with torchrun, e.g.

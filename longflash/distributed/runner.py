@@ -1,9 +1,10 @@
-"""The DCP process model: rank 0 schedules and broadcasts each step; every rank runs the model.
+"""The TP/DCP process model: rank 0 schedules and broadcasts each step; every rank runs the model.
 
 Rank 0 owns the scheduler and a :class:`DCPModelRunner` whose ``prepare`` posts each step's
 (input ids, forward context) on the :class:`~longflash.distributed.comm.StepChannel`; ranks 1..N-1
-run :meth:`DCPModelRunner.serve_forever`. Every rank holds the full model (weights replicated: tensor
-parallel weight sharding is a later step) and its own KV shard: logical blocks cover
+run :meth:`DCPModelRunner.serve_forever`. Every rank holds its tensor-parallel shard of the weights
+(``layers/parallel.py``; the forward and the vocab-parallel logits are collectives, so workers compute
+the same logit rows as rank 0) and its own KV shard: logical blocks cover
 ``block_size * dcp_size`` tokens (rank 0's block manager uses that as ``tokens_per_block``) and each
 rank stores its positions in its physical block of the same id (``dcp.dcp_slot_mapping``). MLA layers
 read the DCP group from ``comm.get_parallel_state()``.

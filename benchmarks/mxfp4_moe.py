@@ -18,8 +18,9 @@ measured in the same run:
 Every config's output is compared with the fp32 PyTorch reference on the same bf16 inputs (max abs error
 over max |ref|); a config over 2e-2 is reported as wrong and never "best". The bf16 PTX decode is also
 checked bitwise on all 256 bytes. Routing is random top-k (uniform). ``--experts N`` keeps fewer experts in
-memory (the per-layer byte figures are still for 896); ``--no-sweep`` times only the default config.
-Writes DIR/mxfp4_moe.json and DIR/mxfp4_moe.md.
+memory (the per-layer byte figures are still for 896); ``--no-sweep`` times only the default config;
+``--budget-s`` (100) skips the remaining sweep configs after that many seconds (the suite step allows 120).
+Writes DIR/mxfp4_moe.json and DIR/mxfp4_moe.md after every config.
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--experts", type=int, default=None, help="experts kept in memory (default 896)")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,64,4096)")
     ap.add_argument("--no-sweep", action="store_true", help="time only the default config")
+    ap.add_argument("--budget-s", type=float, default=100.0,
+                    help="skip the remaining sweep configs (not the defaults) once this many seconds have passed")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -259,6 +262,9 @@ def main(argv: list[str] | None = None) -> dict:
             configs += list(sweep.items())[:2] if args.smoke else list(sweep.items())
             configs.append(("default_again", None))  # the same config timed twice: the run's spread
         for name, cfg in configs:
+            if name not in ("default", "default_again") and time.perf_counter() - t_start > args.budget_s:
+                result["runs"].append({"tokens": T, "config": name, "tiles": {}, "error": "skipped: --budget-s"})
+                continue
             if use_triton:
                 fn = lambda c=cfg: run_mxfp4_experts_triton(x, ex, topk_w, topk_ids, c)  # noqa: E731
                 used = dict(default_config(T, k, E), **(cfg or {}))
@@ -285,15 +291,14 @@ def main(argv: list[str] | None = None) -> dict:
             run.update(time_us=t * 1e6, weight_bytes=w_bytes, activation_bytes=act_bytes, GBps=bw / 1e9,
                        frac_copy_bandwidth=bw / copy_bw, TFLOPs=flops / t / 1e12, frac_bf16_gemm=flops / t / gemm["best"])
             result["runs"].append(run)
+            _write(result, args.out, t_start)  # after every config: a suite timeout loses nothing done
             how = f" (graph; eager {run['eager_us']:.1f})" if "eager_us" in run else ""
             print(f"T={T:5d} {name:30s} {t * 1e6:10.1f} us{how}  "
                   f"{bw / 1e9:8.1f} GB/s ({bw / copy_bw:6.1%} of copy)  "
                   f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / gemm['best']:6.1%} of bf16 GEMM)  "
                   f"rel err {run.get('rel_err', float('nan')):.2e}", flush=True)
         x = ref = None  # free before the next token count
-        _write(result, args.out, t_start)  # after every token count: a suite timeout loses nothing done
-
-
+    _write(result, args.out, t_start)
     print(markdown(result))
     return result
 

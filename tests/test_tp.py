@@ -34,7 +34,12 @@ from longflash.config import EngineConfig
 from longflash.default_model_path import default_model_path
 from longflash.distributed import comm
 from longflash.engine.llm_engine import LLMEngine
-from longflash.layers.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from longflash.layers.activation import silu_and_mul
+from longflash.layers.moe import MoE, TopkRouter
+from longflash.layers.mxfp4 import MXFP4Experts
+from longflash.layers.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                                       tp_group_for_build)
+from longflash.models.kimi_linear import make_kda
 from longflash.models.loader import load_model
 from longflash.sampling_params import SamplingParams
 
@@ -167,6 +172,11 @@ def test_tp_refusals(tiny_model):
         _engine(tiny_model("qwen3-tied"), 2, 2)
     with pytest.raises(ValueError):
         EngineConfig(model="x", tensor_parallel_size=4, decode_context_parallel_size=3)
+    tp = comm.planned_tp_group(2, 0)
+    with pytest.raises(NotImplementedError, match="MXFP4"):
+        MoE(64, 4, 32, TopkRouter(64, 4, 2), silu_and_mul, experts=MXFP4Experts(4, 64, 32, silu_and_mul), tp=tp)
+    with tp_group_for_build(tp), pytest.raises(NotImplementedError, match="KDA"):
+        make_kda({})
 
 
 def test_passkey_2048_default_model_tp4_dcp4_fp8():

@@ -120,6 +120,19 @@ def _check_counts(args) -> None:
     sizes = list(getattr(args, "batch_size", [])) + [getattr(args, "num_prompts", 1), args.output_len]
     if min(sizes) < 1:
         raise ValueError("--batch-size, --num-prompts and --output-len must be >= 1")
+    if getattr(args, "num_iters_warmup", 0) < 0:
+        raise ValueError("--num-iters-warmup must be >= 0")
+
+
+def _warm_up(engine, args, batch_size: int) -> None:
+    """``--num-iters-warmup`` untimed runs of a batch of the measured shape (``batch_size`` prompts of
+    ``--input-len`` tokens to ``--output-len`` tokens), so one-time costs (Triton JIT compiles of each
+    kernel variant a step shape selects, CUDA graph capture, allocator growth) stay out of the timed
+    run, as in ``vllm bench latency``. The warm-up prompts are other windows (seed + 1 + i) than the
+    measured ones, so the timed run does not start from prefix-cache hits."""
+    for i in range(args.num_iters_warmup):
+        run_offline(engine, _prompts(engine, batch_size, args.input_len, args.prompt_kind, args.seed + 1 + i),
+                    args.output_len)
 
 
 def peak_bandwidth(args, device) -> float:
@@ -144,7 +157,7 @@ def cmd_latency(args) -> int:
         report["kv_bytes_per_token"] = engine.kv_bytes_per_token
         for bsz in args.batch_size:
             prompts = _prompts(engine, bsz, args.input_len, args.prompt_kind, args.seed)
-            run_offline(engine, prompts[:1], 4)  # warm-up
+            _warm_up(engine, args, bsz)
             r = run_offline(engine, prompts, args.output_len, peak)
             report["runs"].setdefault(str(bsz), {})[name] = r
             print(format_report(r, f"Latency Benchmark Result [{name}, batch {bsz}]"), flush=True)
@@ -167,7 +180,7 @@ def cmd_throughput(args) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     peak = peak_bandwidth(args, engine.device)
     prompts = _prompts(engine, args.num_prompts, args.input_len, args.prompt_kind, args.seed)
-    run_offline(engine, prompts[:1], 4)  # warm-up
+    _warm_up(engine, args, args.num_prompts)
     r = run_offline(engine, prompts, args.output_len, peak)
     engine.shutdown()
     print(format_report(r, "Throughput Benchmark Result"), flush=True)
@@ -188,6 +201,9 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--output-len", type=int, default=64)
         p.add_argument("--prompt-kind", choices=["code", "prose", "random"], default="code")
         p.add_argument("--output-json", default=None)
+        if name != "serve":
+            p.add_argument("--num-iters-warmup", type=int, default=1,
+                           help="untimed runs of the measured batch shape before the timed run (vLLM's flag)")
         p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
                        help="copy bandwidth of the roofline in GB/s (default: measured on the device)")
         if name == "latency":

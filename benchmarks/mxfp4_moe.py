@@ -51,7 +51,8 @@ MAX_REL_ERR = 2e-2  # bf16 rounding of x·W and of the activation, fp32 accumula
 # the one-launch align vs the torch ops (diagnostic), the Triton decode (diagnostic: decode cost), down
 # tiles of 2 x 64 output columns (`pair`: the bytes per K step of a gate/up tile; 168 registers without a
 # cap, so 3 programs per SM fit; prefill BM 64 drops from 255 to 167 registers).
-_D = dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2)
+# Each sweep entry names every tile key (maxnreg None = no cap): entries override `default_config`.
+_D = dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2, maxnreg=None)
 DECODE_SWEEP = {
     "d_w64_k128_s4": dict(_D),
     "d_w64_k128_s4_torch_align": dict(_D, align="torch"),
@@ -64,14 +65,15 @@ DECODE_SWEEP = {
     "d_w64_k128_s4_r128_p4_triton_decode": dict(_D, maxnreg=128, programs_per_sm=4, decode="small"),
     "d_w64_k128_s4_triton_decode": dict(_D, decode="small"),
 }
-_P = dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, programs_per_sm=2)
+_P = dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=None)
 PREFILL_SWEEP = {
     "p_m64_w64_k64_s3": dict(_P),
     "p_m64_w64_k64_s4": dict(_P, num_stages=4),
     "p_m64_w64_k64_s3_pair_p3": dict(_P, down_pair=True, programs_per_sm=3),
     "p_m128_w64_k64_s3": dict(_P, BLOCK_M=128),
     "p_m128_w64_k32_s4": dict(_P, BLOCK_M=128, BLOCK_K=32, num_stages=4),
-    "p_m128_w128_k64_s2": dict(BLOCK_M=128, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=2, programs_per_sm=1),
+    "p_m128_w128_k64_s2": dict(_P, BLOCK_M=128, BLOCK_W=128, BLOCK_K=64, num_warps=8, num_stages=2,
+                               programs_per_sm=1),
 }
 GRAPH_MAX_TOKENS = 64  # decode sizes are also timed as CUDA graph replays (how the engine runs them)
 

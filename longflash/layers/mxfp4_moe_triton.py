@@ -435,9 +435,12 @@ DECODES = {"general": 0, "small": 1, "asm": 2}
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """Tiles by the mean number of rows per expert hit: decode (<= 16) takes BLOCK_M 16, the MMA's smallest N;
-    prefill takes BLOCK_M 64 with one warpgroup on 64 weight rows, two programs per SM (the fastest of the
-    first H200 sweep: 28.5 ms at 4096 tokens against 32.4 ms for BLOCK_M 128 on two warpgroups).
+    """Tiles by the mean number of rows per expert hit: decode (<= 16) takes BLOCK_M 16, the MMA's smallest N,
+    4 programs per SM under a 128-register cap, 3 stages; prefill takes BLOCK_M 128 with one warpgroup on 64
+    weight rows, two programs per SM. Both are the fastest correct configs of the second H200 sweep (commit
+    7143052, ``benchmarks/results/mxfp4_moe.h200.md``): decode 185 us at 1 token and 5816 us at 64 tokens
+    (36.3 % / 43.8 % of copy bandwidth; the previous default 209 / 7044 us), prefill 22.5 ms at 4096 tokens
+    (24.2 % of bf16 GEMM; BLOCK_M 64: 26.0 ms). The middle tile (17-48 rows per expert) was not measured.
     NOTE: BLOCK_W should be 64 x (num_warps / 4): the dequantized tile is the wgmma's register operand, and
     warpgroups that split the tokens instead would each decode it. ``maxnreg`` caps the registers per thread
     (None: the compiler's choice), so that more programs fit on an SM; ``down_pair``: down tiles of
@@ -448,10 +451,11 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
     per_expert = rows / max(1, min(rows, num_experts))
     common = dict(decode="auto", maxnreg=None, down_pair=False, align="triton")
     if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2, **common)
+        return dict(common, BLOCK_M=16, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=4,
+                    maxnreg=128)
     if per_expert <= 48:
         return dict(BLOCK_M=32, BLOCK_W=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2, **common)
-    return dict(BLOCK_M=64, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, programs_per_sm=2, **common)
+    return dict(BLOCK_M=128, BLOCK_W=64, BLOCK_K=64, num_warps=4, num_stages=3, programs_per_sm=2, **common)
 
 
 def choose_decode(experts: MXFP4Experts, which: str, dtype: torch.dtype, on_cuda: bool, want: str = "auto") -> int:

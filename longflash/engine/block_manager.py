@@ -161,11 +161,13 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that are full and computed in the prefix cache."""
+        """Register the blocks of ``seq`` that are full and computed in the prefix cache. A block is
+        hashed only once all its token ids are known: committed speculative tokens whose ids are not
+        yet appended to ``seq.token_ids`` wait for a later call."""
         if not self.enable_prefix_caching:
             return
         bs = self.tokens_per_block
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bs, len(seq.block_table))
         done = self._num_hashed.get(seq.request_id, 0)
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         for i in range(done, num_full):

@@ -565,8 +565,8 @@ class LLMEngine:
                     self.block_manager.truncate(seq, seq.num_computed_tokens)
                     if self.runner.state_pool is not None:  # KDA state after the last accepted token
                         self.runner.state_pool.commit(seq.request_id, committed)
-                self.block_manager.cache_full_blocks(seq)
                 if not tokens:
+                    self.block_manager.cache_full_blocks(seq)
                     continue
                 if decoding:
                     seq.metrics.num_decode_steps += 1
@@ -574,6 +574,10 @@ class LLMEngine:
                     self._append(seq, t, now)
                     if seq.is_finished:
                         break
+                # NOTE: after the append: accepted drafts' KV is committed but their token ids (the
+                # block hash input) are only known now. A finishing request was hashed in _finish.
+                if not seq.is_finished:
+                    self.block_manager.cache_full_blocks(seq)
             except Exception as e:
                 # NOTE: one request's sampling/detokenization failure fails that request only; the
                 # others in the batch keep their tokens. The caller drains ``failed_requests``.
@@ -640,6 +644,7 @@ class LLMEngine:
             self._finish(seq, now)
 
     def _finish(self, seq: Sequence, now: float) -> None:
+        self.block_manager.cache_full_blocks(seq)  # before its blocks are freed
         self.scheduler.finish(seq)
         self.runner.free_state(seq.request_id)
         seq.metrics.finished_time = now

@@ -8,8 +8,13 @@ of the block, a 0-length request and one shorter than its query block (LSE −in
 GPU (skipped without CUDA): real shapes, 576-wide rows, 16 and 128 heads, contexts up to 70K.
 
 Accuracy: each result is compared with the fp64 reference (q upcast, the same cache); bf16 operands
-give ‖out − ref‖/‖ref‖ of a few 1e-3, so the bound is 1e-2 (fp32: 1e-5). The −inf LSE pattern must
-match exactly and those outputs be exactly 0.
+give ‖out − ref‖/‖ref‖ of a few 1e-3, so the bound is 1e-2 (fp32: 1e-5). The LSE is an fp32 sum of
+exact products, so its error grows with its size: |lse − ref| ≤ 1e-3 (fp32: 1e-5) + 2^-20·|ref|
+(8-16 fp32 ulps; the dots alone err by up to 2 ulps of the largest logit in any summation order for
+these inputs). The rows scaled by 1e6 have |LSE| ≈ 2.5e6, where one fp32 ulp is 0.25: an absolute bound
+failed there on a machine whose NumPy summed the interpreter's dots in another order (0.75 = 3 ulps),
+and here for other random data (0.25). The −inf LSE pattern must match exactly and those
+outputs be exactly 0.
 """
 
 import json
@@ -54,9 +59,11 @@ def compare(name, out, lse, q, cache, bt, qsl, seq, R, ks, ref_fn=None):
     ref_fn = ref_fn or (lambda qq: ops.mla_decode_attention(qq, cache, bt, qsl, seq, 0.3, R, ks, max_rows_per_piece=8))
     ro, rl = ref_fn(q.double())
     empty = rl.isinf()
+    err = (lse.double() - rl).masked_fill(empty, 0).abs()
     res[name] = dict(
         rel=((out.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item(),
-        lse=(lse.double() - rl).masked_fill(empty, 0).abs().max().item() if lse.numel() else 0.0,
+        lse=err.max().item() if lse.numel() else 0.0,
+        lse_over_ulps=(err - 2.0 ** -20 * rl.masked_fill(empty, 0).abs()).max().item() if lse.numel() else 0.0,
         inf_match=bool(torch.equal(lse.isinf(), empty)) and not bool((lse == float("inf")).any()),
         empty_zero=bool((out[empty] == 0).all()), nan=bool(out.isnan().any() or lse.isnan().any()),
         n_empty=int(empty.sum()), shape_ok=out.shape == ro.shape and out.dtype == q.dtype)
@@ -161,21 +168,42 @@ def interp_results():
     return json.loads(line[len("RESULT"):])
 
 
-def _check_case(name: str, r: dict, fp32: bool) -> None:
-    assert r["shape_ok"] and not r["nan"], (name, r)
-    assert r["inf_match"] and r["empty_zero"], (name, r)
-    bound = 1e-5 if fp32 else 1e-2
-    assert r["rel"] <= bound, (name, r)
-    assert r["lse"] <= (1e-5 if fp32 else 1e-3), (name, r)
-    if "ref_rel" in r:  # no worse than a few times the bf16 reference's own rounding
-        assert r["rel"] <= 3 * r["ref_rel"] + 1e-3, (name, r)
+def _case_problems(r: dict, fp32: bool) -> list[str]:
+    """What is wrong with one case's result (empty: nothing). LSE: ``lse_over_ulps`` = max over rows of
+    |lse − ref| − 2^-20·|ref| (the fp32 error that grows with the LSE's size taken off)."""
+    bad = []
+    if not r["shape_ok"] or r["nan"]:
+        bad.append("shape/dtype or NaN")
+    if not (r["inf_match"] and r["empty_zero"]):
+        bad.append("-inf LSE pattern or empty rows not 0")
+    if r["rel"] > (1e-5 if fp32 else 1e-2):
+        bad.append(f"rel {r['rel']:.3g}")
+    if r["lse_over_ulps"] > (1e-5 if fp32 else 1e-3):
+        bad.append(f"lse {r['lse']:.3g} (beyond 2^-20 |ref| by {r['lse_over_ulps']:.3g})")
+    if "ref_rel" in r and r["rel"] > 3 * r["ref_rel"] + 1e-3:  # a few times the bf16 reference's own rounding
+        bad.append(f"rel {r['rel']:.3g} vs the bf16 reference's {r['ref_rel']:.3g}")
+    return bad
+
+
+def test_case_check_bounds():
+    """The LSE bound: absolute for small LSEs, 8-16 fp32 ulps for large ones (0.75 at |LSE| 2.5e6 passes,
+    3 at 2.5e6 or 2e-3 at 5 fails); the other checks fail on their own."""
+    ok = dict(shape_ok=True, nan=False, inf_match=True, empty_zero=True, rel=3e-3, lse=0.0, lse_over_ulps=0.0)
+    big = 2.0 ** -20 * 2.49e6
+    assert _case_problems(dict(ok, lse=0.75, lse_over_ulps=0.75 - big), fp32=False) == []
+    assert _case_problems(dict(ok, lse=3.0, lse_over_ulps=3.0 - big), fp32=False)
+    assert _case_problems(dict(ok, lse=2e-3, lse_over_ulps=2e-3 - 2.0 ** -20 * 5), fp32=False)
+    assert _case_problems(dict(ok, rel=3e-3), fp32=True)
+    assert _case_problems(dict(ok, inf_match=False), fp32=False)
+    assert _case_problems(dict(ok, rel=5e-3, ref_rel=1e-3), fp32=False)
 
 
 def test_interpreter_equals_reference(interp_results):
     cases = {k: v for k, v in interp_results.items() if isinstance(v, dict)}
     assert len(cases) == 25, sorted(cases)
-    for name, r in cases.items():
-        _check_case(name, r, fp32=name.endswith("float32") or name.startswith("dcp") or "float32_S" in name)
+    fp32 = {n: n.endswith("float32") or n.startswith("dcp") or "float32_S" in n for n in cases}
+    bad = {n: p for n, r in cases.items() if (p := _case_problems(r, fp32[n]))}
+    assert not bad, bad  # every failing case at once
     # the awkward rows exist: the 0-length request and the query that precedes its cache
     assert cases["r64_bs4_torch.bfloat16_S1"]["n_empty"] == 2 * 3 + 1 * 3
     assert cases["dcp_local_I1"]["n_empty"] > 0
@@ -247,6 +275,12 @@ def test_gpu_real_shapes(H, seq, ql, cdt, ks):
     (torch.float8_e4m3fn, 0.05, 1, dict(BLOCK_N=64, num_warps=8, num_stages=1, V_RELOAD=False, F16=True,
                                         PREFETCH=True, occupancy=1)),
     (torch.float8_e4m3fn, 0.05, 8, dict(BLOCK_N=32, num_stages=1, F16=True, PREFETCH=True)),
+    # swap-AB with an fp8 cache: not a benchmark candidate (spills in the sm_90 report) but a supported
+    # config, so checked here as well as under the interpreter
+    (torch.float8_e4m3fn, 0.05, 1, dict(BLOCK_N=64, num_warps=8, num_stages=2, V_RELOAD=False, TRANS=True,
+                                        occupancy=1)),
+    (torch.float8_e4m3fn, 0.05, 1, dict(BLOCK_N=64, num_warps=8, num_stages=1, V_RELOAD=False, TRANS=True,
+                                        F16=True, PREFETCH=True, occupancy=1)),
 ])
 def test_gpu_second_version_paths(cdt, ks, ql, cfg):
     """The v2 code paths (swap-AB, fp16 dots, register prefetch) at real shapes: 16 heads, 576-wide rows,

@@ -339,35 +339,54 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     q rows scaled by powers of two; otherwise the dots run in q's dtype), PREFETCH (with F16: the
     next tile's bytes loaded into registers during this tile, converted once for both dots),
     occupancy (programs resident per SM, from registers and shared memory; used by the split count).
-    The fastest configs of the first H200 run (``benchmarks/results/mla_decode.h200.md``, sweep at
-    B = 16, 32K); ``benchmarks/mla_decode.py`` times :func:`candidate_configs` against them."""
+    The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
+    sweep at B = 16, 32K, ``chosen``): <= 16 rows bf16 M16 N64 w4 s2 (0.84 of copy bandwidth there, 0.95-1.00
+    at B 16/64 x 128K), fp8 M16 N32 w4 s3 with V reload and fp16 dots (0.34; 0.36-0.37 at 128K); 128 rows
+    M64 N64 w8 s2 for both caches. 17-32 rows were not measured (the first run's M32 N32 w4 s3).
+    ``benchmarks/mla_decode.py`` times :func:`candidate_configs` against them."""
+    fp8 = cache_dtype == FP8_DTYPE
+    if max_query_rows <= 16 and fp8:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
+                "F16": True, "PREFETCH": False, "occupancy": 2}
+    if max_query_rows <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False, "TRANS": False,
+                "F16": False, "PREFETCH": False, "occupancy": 2}
     if max_query_rows <= 32:
-        return {"BLOCK_M": 16 if max_query_rows <= 16 else 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3,
-                "V_RELOAD": cache_dtype == FP8_DTYPE, "TRANS": False, "F16": False, "PREFETCH": False,
-                "occupancy": 2}
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": fp8, "TRANS": False,
+                "F16": False, "PREFETCH": False, "occupancy": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "V_RELOAD": False, "TRANS": False,
             "F16": False, "PREFETCH": False, "occupancy": 1}
 
 
 def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dict]:
-    """Tile configs that ``benchmarks/mla_decode.py`` times against each other (the default first, the
-    first run's default second); ``benchmarks/mla_decode_sm90_report.py`` lists their sm_90 compile
-    reports (registers, spills, shared memory, MMA kind, pipelined loads, loop instructions).
-    ``occupancy`` = programs per SM that registers and shared memory allow (from those reports)."""
+    """Tile configs that ``benchmarks/mla_decode.py`` times against each other (the default first, then
+    the second run's candidates: for <= 32 rows the run-2 default and the run-1 default next; for fp8
+    the fourth is the register-prefetch tile); ``benchmarks/mla_decode_sm90_report.py`` lists their
+    sm_90 compile reports (registers, spills, shared memory, MMA kind, pipelined loads, loop
+    instructions). ``occupancy`` = programs per SM that registers and shared memory allow (from those
+    reports). No duplicates."""
     fp8 = cache_dtype == FP8_DTYPE
     d = default_config(max_query_rows, cache_dtype)
     if max_query_rows <= 32:
+        base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
+                    PREFETCH=False, occupancy=2)  # run 2's default
         if fp8:
-            pre = dict(d, BLOCK_N=32, num_warps=8, num_stages=1, V_RELOAD=False, F16=True, PREFETCH=True,
-                       occupancy=1)
-            return [d, dict(d, num_warps=8), dict(d, F16=True), pre, dict(pre, BLOCK_N=64),
-                    dict(pre, num_warps=4, occupancy=2)]
-        t = dict(d, BLOCK_N=64, num_stages=2, TRANS=True, occupancy=1)
-        return [d, dict(d, num_warps=8), t, dict(t, num_warps=8), dict(d, BLOCK_N=64, num_stages=2)]
-    if fp8:
-        return [d, dict(d, BLOCK_N=32, num_stages=3), dict(d, F16=True),
-                dict(d, BLOCK_N=32, num_stages=1, F16=True, PREFETCH=True)]
-    return [d, dict(d, BLOCK_N=32), dict(d, TRANS=True)]
+            pre = dict(base, num_warps=8, num_stages=1, V_RELOAD=False, F16=True, PREFETCH=True, occupancy=1)
+            cands = [base, dict(base, num_warps=8), dict(base, F16=True), pre, dict(pre, BLOCK_N=64),
+                     dict(pre, num_warps=4, occupancy=2)]
+        else:
+            t = dict(base, BLOCK_N=64, num_stages=2, TRANS=True, occupancy=1)
+            cands = [base, dict(base, num_warps=8), dict(base, BLOCK_N=64, num_stages=2), t, dict(t, num_warps=8)]
+    elif fp8:
+        cands = [dict(d, BLOCK_N=32, num_stages=3), dict(d, F16=True),
+                 dict(d, BLOCK_N=32, num_stages=1, F16=True, PREFETCH=True)]
+    else:
+        cands = [dict(d, BLOCK_N=32), dict(d, TRANS=True)]
+    out = [d]
+    for c in cands:
+        if c not in out:
+            out.append(c)
+    return out
 
 
 @functools.lru_cache(maxsize=4096)

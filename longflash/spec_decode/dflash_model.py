@@ -42,38 +42,49 @@ class DFlashAttention(nn.Module):
         self.scale = hd ** -0.5
         self.kv_cache: torch.Tensor | None = None  # draft pool: [2, num_blocks, block_size, kvh, hd]
 
-    def kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated, normed keys and values of rows h [T, H] at ``positions`` [T]."""
+    def kv(self, h: torch.Tensor, positions: torch.Tensor,
+           cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated, normed keys and values of rows h [T, H] at ``positions`` [T]; ``cos_sin``: the
+        rotary table of those positions when the caller already has it (else computed)."""
         T = h.shape[0]
         k = self.k_norm(self.k_proj(h).view(T, self.num_kv_heads, self.head_dim))
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        cos, sin = cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, h.dtype)
         return self.rotary.rotate(k, cos, sin), self.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
 
-    def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        k, v = self.kv(h_ctx, positions)
+    def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        k, v = self.kv(h_ctx, positions, cos_sin)
         ops.reshape_and_cache(k, v, self.kv_cache[0], self.kv_cache[1], slot_mapping)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, block_starts: list[int],
-                context_lens: list[int], block_table: torch.Tensor) -> torch.Tensor:
+                context_lens: list[int], block_table: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                context_rows: dict | None = None) -> torch.Tensor:
         """x [N, H] (normed block rows of all requests, concatenated); request b owns rows
-        ``block_starts[b]:block_starts[b+1]`` and has ``context_lens[b]`` cached context tokens."""
+        ``block_starts[b]:block_starts[b+1]`` and has ``context_lens[b]`` cached context tokens.
+        ``cos_sin``: rotary table of ``positions`` (computed if None); ``context_rows``: a dict the
+        layers of one forward share, caching each request's pool row indices (:func:`_context_rows`)."""
         N = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(N, self.num_heads, self.head_dim))
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, x.dtype)
         q = self.rotary.rotate(q, cos, sin)
-        k_blk, v_blk = self.kv(x, positions)
+        k_blk, v_blk = self.kv(x, positions, (cos, sin))
+        kv_blk = torch.stack([k_blk, v_blk])
         out = x.new_empty(N, self.num_heads, self.head_dim)
         rep = self.num_heads // self.num_kv_heads
+        nb, bs = self.kv_cache.shape[1:3]
+        flat = self.kv_cache.view(2, nb * bs, *self.kv_cache.shape[3:])
+        rows_of = {} if context_rows is None else context_rows
         for b, ctx_len in enumerate(context_lens):
             s, e = block_starts[b], block_starts[b + 1]
             lo = 0 if self.window is None else max(0, ctx_len - self.window)
-            cu = torch.tensor([0, ctx_len - lo], dtype=torch.int32, device=x.device)
-            starts = torch.tensor([lo], dtype=torch.int32, device=x.device)
-            k_ctx = ops.gather_and_maybe_dequant_cache(self.kv_cache[0], block_table[b:b + 1], cu, starts, x.dtype)
-            v_ctx = ops.gather_and_maybe_dequant_cache(self.kv_cache[1], block_table[b:b + 1], cu, starts, x.dtype)
-            k = torch.cat([k_ctx, k_blk[s:e]]).repeat_interleave(rep, dim=1)
-            v = torch.cat([v_ctx, v_blk[s:e]]).repeat_interleave(rep, dim=1)
-            out[s:e], _ = ops.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=None)
+            key = (b, lo, ctx_len)
+            if key not in rows_of:
+                rows_of[key] = _context_rows(block_table[b], lo, ctx_len, bs)
+            # K and V of the context (one gather of both planes) then of the block, GQA heads repeated
+            kv = torch.cat([flat.index_select(1, rows_of[key]).to(x.dtype), kv_blk[:, s:e]], dim=1)
+            kv = kv.repeat_interleave(rep, dim=2)
+            out[s:e], _ = ops.attention_with_lse(q[s:e], kv[0], kv[1], self.scale, causal_offset=None)
         return self.o_proj(out.reshape(N, -1))
 
     def forward_padded(self, x: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
@@ -109,6 +120,22 @@ class DFlashAttention(nn.Module):
             o, l = _grouped_attention(qg, k, v, (pos >= lo[:, None]) & (pos < ctx_len[:, None]), self.scale)
             out, lse = ops.merge_attn_states(out, lse, o, l)
         return self.o_proj(out.to(x.dtype).reshape(N, -1))
+
+
+def _context_rows(table_row: torch.Tensor, lo: int, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Flat draft-pool row indices [ctx_len - lo] int64 of positions ``lo..ctx_len-1`` of one request
+    (``table_row`` [max_blocks] int32: logical -> physical block), the rows
+    ``ops.gather_and_maybe_dequant_cache`` reads. Raises ValueError for a position beyond the block
+    table or in an unallocated (-1) block."""
+    pos = torch.arange(lo, ctx_len, device=table_row.device)
+    if ctx_len == lo:
+        return pos
+    if (ctx_len - 1) // block_size >= table_row.shape[0]:
+        raise ValueError("gather position beyond the request's block table")
+    blocks = table_row.long()[pos // block_size]
+    if int(blocks.min()) < 0:
+        raise ValueError("gather position maps to an unallocated block (-1)")
+    return blocks * block_size + pos % block_size
 
 
 def _grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
@@ -170,14 +197,20 @@ class DFlashDraftModel(nn.Module):
         return self.hidden_norm(self.fc(aux))
 
     def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # NOTE: all layers share one RotaryEmbedding, so the rotary table is computed once here.
+        cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, h_ctx.dtype)
         for attn in self.attention_layers():
-            attn.write_context(h_ctx, positions, slot_mapping)
+            attn.write_context(h_ctx, positions, slot_mapping, cos_sin)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, block_starts: list[int],
                 context_lens: list[int], block_table: torch.Tensor) -> torch.Tensor:
         h = block_embeds
+        # Shared by every layer (one rotary module, one block table): computed once per forward.
+        cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, h.dtype)
+        context_rows: dict = {}
         for layer in self.layers:
-            h = h + layer.self_attn(layer.input_layernorm(h), positions, block_starts, context_lens, block_table)
+            h = h + layer.self_attn(layer.input_layernorm(h), positions, block_starts, context_lens, block_table,
+                                    cos_sin, context_rows)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

@@ -23,11 +23,11 @@ def app_and_engine(tmp_path_factory):
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=128, max_model_len=256))
     real_sample = engine._sample
 
-    def faulty_sample(seq, logits):
+    def faulty_sample(seq, logits, *args, **kwargs):
         # Fails on the third generated token of a poisoned prompt, while other requests share the batch.
         if seq.prompt_token_ids == POISON and seq.num_output_tokens >= 2:
             raise RuntimeError("injected sampler fault")
-        return real_sample(seq, logits)
+        return real_sample(seq, logits, *args, **kwargs)
 
     engine._sample = faulty_sample
     metrics = ServerMetrics("m")

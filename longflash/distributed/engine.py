@@ -69,10 +69,16 @@ class _Rank0Runner(DCPModelRunner):
 
     procs: list = []
 
-    def prepare(self, sched):
+    def check_workers(self) -> None:
+        """Raises RuntimeError naming the first locally started worker rank that has exited.
+        (torchrun-started workers are not children of rank 0: their death surfaces as a failed
+        or timed-out collective in the next step.)"""
         for r, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 raise RuntimeError(f"DCP worker rank {r} exited (code {p.exitcode}); the engine cannot continue")
+
+    def prepare(self, sched):
+        self.check_workers()
         return super().prepare(sched)
 
     def shutdown(self) -> None:

@@ -380,6 +380,12 @@ class LLMEngine:
             logger.info("fp8 KV k_scale (%s): min %.4g max %.4g over %d layers", r["k_scale_source"],
                         min(ks), max(ks), len(ks))
 
+    def check_health(self) -> None:
+        """Raises RuntimeError when a worker process of a multi-process engine has died (no-op for
+        one process). An idle server calls it so a dead rank is noticed without a request."""
+        if hasattr(self.runner, "check_workers"):
+            self.runner.check_workers()
+
     def shutdown(self) -> None:
         """Stop the worker processes of a multi-process engine (no-op for one process)."""
         if hasattr(self.runner, "shutdown"):

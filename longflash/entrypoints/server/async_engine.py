@@ -78,8 +78,10 @@ class AsyncEngine:
         log_requests: log each finished request (id, token counts, latency; never the prompt text).
     """
 
-    def __init__(self, engine: LLMEngine, metrics=None, log_requests: bool = True):
+    def __init__(self, engine: LLMEngine, metrics=None, log_requests: bool = True,
+                 on_dead: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_dead = on_dead
         self.metrics = metrics
         self.log_requests = log_requests
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -179,6 +181,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     if ran and self.metrics is not None:
                         self.metrics.update(self.engine)
+                    self.engine.check_health()  # a dead worker rank ends the loop even when idle
                     self._wakeup.wait(timeout=1.0)
                     continue
                 self._step()
@@ -188,12 +191,19 @@ class AsyncEngine:
             for stream in self._streams.values():
                 stream.put(EngineRequestError(f"the engine loop died: {e}"))
             self._streams.clear()
+            if self.on_dead is not None:
+                self.on_dead(e)
 
     def _step(self) -> None:
         engine = self.engine
         try:
             outputs = engine.step()
         except Exception as e:
+            if engine.config.tensor_parallel_size > 1:
+                # NOTE: with worker processes a failed step leaves the ranks out of step (a peer
+                # died, or a collective timed out mid-forward): nothing can run after it, so the
+                # loop dies (requests in flight fail, /health turns 503, the server exits).
+                raise
             # A failure of the batched forward cannot be attributed to one request: fail the
             # requests in flight, free their blocks, keep serving.
             logger.exception("engine step failed; failing %d in-flight requests", len(engine.requests))

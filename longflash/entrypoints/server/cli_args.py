@@ -55,21 +55,30 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"error: --decode-context-parallel-size ({dcp}) must be >= 1 and divide --tensor-parallel-size "
               f"({tp})", file=sys.stderr)
         return 2
-    if tp != 1 or dcp != 1:
-        print(f"error: --tensor-parallel-size {tp} / --decode-context-parallel-size {dcp}: tensor and "
-              "decode-context parallelism are accepted but not wired into the engine yet; use 1 for both",
-              file=sys.stderr)
-        return 2
     if not 0 <= args.port <= 65535:
         print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
-    config = engine_config_from_args(args)
-    engine = LLMEngine(config)  # logs the start-up report: load time, KV cache tokens/blocks, concurrency
+    try:
+        config = engine_config_from_args(args)
+        engine = LLMEngine(config)  # logs the start-up report: load time, KV cache tokens/blocks, concurrency
+    except (ValueError, NotImplementedError) as e:  # a configuration this model/machine cannot serve
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model_arg = getattr(args, "model_tag", None) or args.model
     names = args.served_model_name or [model_arg or "longflash-default"]
     spec = config.speculative_config if isinstance(config.speculative_config, dict) else None
     metrics = ServerMetrics(names[0], num_speculative_tokens=engine.num_speculative_tokens)
-    async_engine = AsyncEngine(engine, metrics, log_requests=not args.disable_log_requests)
+    server: uvicorn.Server | None = None
+    died: list[BaseException] = []
+
+    def on_dead(e: BaseException) -> None:
+        # The engine cannot serve any more (e.g. a tensor/decode-context parallel worker died):
+        # stop the HTTP server too, as vLLM's API server does when its engine core dies.
+        died.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(engine, metrics, log_requests=not args.disable_log_requests, on_dead=on_dead)
     metrics.update(engine)
     app = build_app(async_engine, names, config.model, metrics, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes, max_logprobs=args.max_logprobs,
@@ -78,6 +87,12 @@ def run_server(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                            access_log=not args.disable_uvicorn_access_log,
                                            timeout_graceful_shutdown=5))
-    server.run()
-    async_engine.shutdown()
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+        engine.shutdown()  # stops the worker processes of a -tp/-dcp engine
+    if died:
+        print(f"error: the engine died: {type(died[0]).__name__}: {died[0]}", file=sys.stderr)
+        return 1
     return 0

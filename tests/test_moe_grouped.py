@@ -59,12 +59,14 @@ def test_reference_equals_eager_dispatch(act):
 
 def test_align_by_expert_blocks():
     ids = torch.tensor([[0, 2], [2, 1], [2, 0], [3, 2]])
-    rows, block_expert = align_by_expert(ids, 5, 2)
+    rows, block_expert, num_blocks = align_by_expert(ids, 5, 2)
     n = ids.numel()
     assert rows.numel() == block_expert.numel() * 2 and block_expert.numel() == n // 2 + min(n, 5)
     flat = ids.reshape(-1)
     real = rows[rows < n]
     assert sorted(real.tolist()) == list(range(n))  # every (token, slot) row exactly once
+    assert int(num_blocks) == int((block_expert >= 0).sum())  # the used blocks come first
+    assert (block_expert[:int(num_blocks)] >= 0).all()
     for b, e in enumerate(block_expert.tolist()):
         blk = rows[2 * b:2 * b + 2]
         blk = blk[blk < n]

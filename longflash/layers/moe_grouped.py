@@ -74,12 +74,15 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return out
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the flattened (token, slot) rows by expert into blocks of ``block_m`` rows, each block
-    holding one expert's rows (the last block of an expert padded).
+    holding one expert's rows (the last block of an expert padded). vLLM's ``moe_align_block_size``
+    layout; the PyTorch reference of ``moe_align_triton`` and the layout of both grouped-MoE kernels.
 
-    topk_ids [T, k] -> (sorted_rows [max_blocks * block_m] int32: flat row t*k + slot, or T*k for
-    padding; block_expert [max_blocks] int32: the expert of each block, -1 for unused blocks), with
+    topk_ids [T, k] int -> (sorted_rows [max_blocks * block_m] int32: flat row t*k + slot, or T*k for
+    padding; block_expert [max_blocks] int32: the expert of each block, -1 for unused blocks;
+    num_blocks [1] int32: the blocks in use, which come first), with
     ``max_blocks = T*k // block_m + min(T*k, E)``, a bound on the padded count known without a sync.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -99,4 +102,4 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     block_end = pad_end // block_m
     block_expert = torch.searchsorted(block_end, blocks, right=True)
     block_expert = torch.where(blocks < block_end[-1], block_expert, torch.full_like(block_expert, -1))
-    return sorted_rows, block_expert.to(torch.int32)
+    return sorted_rows, block_expert.to(torch.int32), block_end[-1:].to(torch.int32)

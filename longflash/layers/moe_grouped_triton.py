@@ -113,7 +113,7 @@ def grouped_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return x.new_zeros(0, w2.shape[1])
     n_rows = T * k
     cfg = dict(default_config(n_rows, E), **(config or {}))
-    sorted_rows, block_expert = align_by_expert(topk_ids, E, cfg["BLOCK_M"])
+    sorted_rows, block_expert, _ = align_by_expert(topk_ids, E, cfg["BLOCK_M"])
     x = x.contiguous()
     h = _gemm(x, w13, sorted_rows, block_expert, n_rows, k, cfg)
     I = two_i // 2

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from longflash.layers.moe_align_triton import moe_align_triton
+from longflash.layers.moe_grouped import align_by_expert
 from longflash.layers.mxfp4 import MXFP4Experts
 
 _ACT_CODES = {"silu": 0, "situ": 1}
@@ -401,32 +402,8 @@ def decode_bf16_pairs_gpu(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tenso
     return lo.view(torch.bfloat16), hi.view(torch.bfloat16)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the flattened (token, slot) rows by expert, padding each expert's rows to ``block_m``.
-
-    topk_ids [T, k] int -> (sorted_ids [max_blocks * block_m] int32: flat row index t*k+slot, ``T*k`` for
-    padding; block_expert [max_blocks] int32: the expert of each row block, -1 for unused blocks;
-    num_blocks [1] int32: the blocks in use, which come first).
-    ``max_blocks = T*k // block_m + min(T*k, E)`` bounds the padded count without a host sync.
-    """
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    n, dev = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    pad_start = pad_end - padded
-    start = counts.cumsum(0) - counts
-    order = torch.argsort(flat, stable=True)
-    se = flat[order]
-    dest = pad_start[se] + torch.arange(n, device=dev) - start[se]
-    max_blocks = n // block_m + min(n, num_experts)
-    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
-    blocks = torch.arange(max_blocks, device=dev)
-    block_end = pad_end // block_m
-    block_expert = torch.searchsorted(block_end, blocks, right=True)
-    block_expert = torch.where(blocks < block_end[-1], block_expert, -1).to(torch.int32)
-    return sorted_ids, block_expert, block_end[-1:].to(torch.int32)
+# ``moe_align``: the PyTorch layout reference (one implementation, shared with the bf16 grouped MoE).
+moe_align = align_by_expert
 
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_W", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm", "decode", "maxnreg",

@@ -18,6 +18,8 @@ from longflash.default_model_path import default_model_path
 from longflash.engine.llm_engine import LLMEngine
 from longflash.sampling_params import SamplingParams
 
+from engine_helpers import greedy_outputs
+
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
            "To be, or not to be, that is the question:", "import os\nimport sys\n"]
 MAX_TOKENS = 16
@@ -36,14 +38,7 @@ def _engine(dcp: int, kv_cache_dtype: str, **kw) -> LLMEngine:
 
 
 def _generate(eng: LLMEngine, prompts: list, max_tokens: int = MAX_TOKENS) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [eng.add_request(None, p, params) for p in prompts]
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return greedy_outputs(eng, prompts, max_tokens)
 
 
 def _run(dcp: int, kv_cache_dtype: str) -> dict:

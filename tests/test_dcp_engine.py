@@ -16,6 +16,8 @@ from longflash.config import EngineConfig
 from longflash.engine.llm_engine import LLMEngine
 from longflash.sampling_params import SamplingParams
 
+from engine_helpers import greedy_tokens
+
 
 def _engine(model, dcp, **kw):
     args = dict(model=model, block_size=4, num_gpu_blocks=128, max_num_batched_tokens=16, context_workspace_rows=4,
@@ -26,14 +28,7 @@ def _engine(model, dcp, **kw):
 
 
 def _generate(engine, prompts, max_tokens):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[i] for i in ids]
+    return greedy_tokens(engine, prompts, max_tokens)
 
 
 def _run(model, dcp, prompts, max_tokens, **kw):

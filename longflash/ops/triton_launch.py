@@ -32,9 +32,24 @@ _PLANS: dict[tuple, tuple] = {}
 _TRITON = None  # (triton.knobs.runtime, triton.runtime.driver), imported on the first launch from a plan
 
 
+# ``CompiledKernel.run``'s argument list is Triton-internal; plans are used only with the Triton
+# release they were checked against (the lent H200's 3.6), other releases take the normal launch path.
+CHECKED_TRITON = ("3.6.",)
+_VERSION_OK: bool | None = None
+
+
+def _version_ok() -> bool:
+    global _VERSION_OK
+    if _VERSION_OK is None:
+        import triton
+        _VERSION_OK = triton.__version__.startswith(CHECKED_TRITON)
+    return _VERSION_OK
+
+
 def usable(t: torch.Tensor) -> bool:
-    """Whether a plan may be used for a launch on ``t``'s device now: enabled, CUDA, not compiling."""
-    return ENABLED and t.is_cuda and not torch.compiler.is_compiling()
+    """Whether a plan may be used for a launch on ``t``'s device now: enabled, CUDA, not compiling,
+    and the Triton release the plans were checked with."""
+    return ENABLED and t.is_cuda and not torch.compiler.is_compiling() and _version_ok()
 
 
 def _triton():

@@ -96,3 +96,12 @@ def test_stop_token_ids_and_max_tokens(path):
     idx = full.index(stop_at)
     assert out.token_ids == full[:idx + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_request_metrics_order(path):
+    """arrival <= first scheduled < first token <= finished: scheduling is stamped before the forward
+    (a fresh-user run found it stamped after, equal to the first-token time)."""
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4, num_gpu_blocks=64)
+    m = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=3),
+                     use_tqdm=False)[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time < m.first_token_time <= m.finished_time

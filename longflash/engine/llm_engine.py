@@ -140,6 +140,12 @@ class LLMEngine:
         model_max = int(self.model_config.get("max_position_embeddings") or capacity)
         if config.max_model_len is None:
             self.max_model_len = min(model_max, capacity)
+            if capacity < model_max:
+                # NOTE: vLLM refuses to start here; we keep a tiny KV budget usable (laptops, tests)
+                # but say so, since requests longer than the cache will be rejected.
+                logger.warning("max_model_len lowered from %d (max_position_embeddings) to %d tokens, the KV "
+                               "cache's capacity; raise --kv-cache-memory or pass --max-model-len to choose",
+                               model_max, capacity)
         else:
             if config.max_model_len > model_max:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
@@ -535,6 +541,10 @@ class LLMEngine:
             self.runner.free_state(seq.request_id)
         if not sched.scheduled:
             return []
+        t_sched = time.time()
+        for s in sched.scheduled:  # before the forward: queue time and prefill time stay apart
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = t_sched
         if self._graphs_pending and not self._kv_scales_pending():
             self._graphs_pending = False
             self._capture_graphs()
@@ -553,8 +563,6 @@ class LLMEngine:
         now = time.time()
         for i, s in enumerate(sched.scheduled):
             seq = s.seq
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
             first_row, n_rows = res.spans[i]
             try:
                 tokens = self._sample_and_verify(seq, res.logits[first_row:first_row + n_rows],

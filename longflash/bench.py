@@ -23,14 +23,16 @@ from longflash.entrypoints.args import add_engine_args, engine_config_from_args
 
 
 def make_prompts(tokenizer, vocab_size: int, max_model_len: int, n: int, input_len: int, kind: str,
-                 seed: int) -> list[dict]:
+                 seed: int, output_len: int = 1) -> list[dict]:
     """n prompts of exactly ``input_len`` tokens: windows of the held-out texts joined into one token
     stream (random token ids when there is no tokenizer or kind is ``random``).
 
-    Raises ValueError when input_len leaves no room for output within max_model_len.
+    Raises ValueError when input_len + output_len does not fit max_model_len.
     """
-    if input_len < 1 or input_len >= max_model_len:
-        raise ValueError(f"--input-len must be in [1, {max_model_len - 1}] (max_model_len), got {input_len}")
+    top = max_model_len - max(1, output_len)
+    if input_len < 1 or input_len > top:
+        raise ValueError(f"--input-len must be in [1, {top}] (max_model_len {max_model_len} minus --output-len "
+                         f"{output_len}), got {input_len}")
     rng = random.Random(seed)
     if tokenizer is not None and kind in ("code", "prose"):
         from longflash.bench_prompts import held_out_texts
@@ -44,8 +46,9 @@ def make_prompts(tokenizer, vocab_size: int, max_model_len: int, n: int, input_l
     return [{"prompt_token_ids": [rng.randrange(4, vocab_size) for _ in range(input_len)]} for _ in range(n)]
 
 
-def _prompts(engine, n: int, input_len: int, kind: str, seed: int) -> list[dict]:
-    return make_prompts(engine.tokenizer, engine.vocab_size, engine.max_model_len, n, input_len, kind, seed)
+def _prompts(engine, args, n: int, seed: int) -> list[dict]:
+    return make_prompts(engine.tokenizer, engine.vocab_size, engine.max_model_len, n, args.input_len,
+                        args.prompt_kind, seed, args.output_len)
 
 
 def _spec_counters(engine) -> dict:
@@ -131,7 +134,7 @@ def _warm_up(engine, args, batch_size: int) -> None:
     run, as in ``vllm bench latency``. The warm-up prompts are other windows (seed + 1 + i) than the
     measured ones, so the timed run does not start from prefix-cache hits."""
     for i in range(args.num_iters_warmup):
-        run_offline(engine, _prompts(engine, batch_size, args.input_len, args.prompt_kind, args.seed + 1 + i),
+        run_offline(engine, _prompts(engine, args, batch_size, args.seed + 1 + i),
                     args.output_len)
 
 
@@ -156,7 +159,7 @@ def cmd_latency(args) -> int:
         report["peak_bandwidth_gbs"] = peak
         report["kv_bytes_per_token"] = engine.kv_bytes_per_token
         for bsz in args.batch_size:
-            prompts = _prompts(engine, bsz, args.input_len, args.prompt_kind, args.seed)
+            prompts = _prompts(engine, args, bsz, args.seed)
             _warm_up(engine, args, bsz)
             r = run_offline(engine, prompts, args.output_len, peak)
             report["runs"].setdefault(str(bsz), {})[name] = r
@@ -179,7 +182,7 @@ def cmd_throughput(args) -> int:
     _check_counts(args)
     engine = LLMEngine(engine_config_from_args(args))
     peak = peak_bandwidth(args, engine.device)
-    prompts = _prompts(engine, args.num_prompts, args.input_len, args.prompt_kind, args.seed)
+    prompts = _prompts(engine, args, args.num_prompts, args.seed)
     _warm_up(engine, args, args.num_prompts)
     r = run_offline(engine, prompts, args.output_len, peak)
     engine.shutdown()

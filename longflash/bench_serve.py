@@ -195,7 +195,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tok = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or path)
     max_len = args.max_model_len or int(cfg.get("max_position_embeddings") or 4096)
     prompts = [p["prompt_token_ids"] for p in make_prompts(tok, cfg["vocab_size"], max_len, args.num_prompts,
-                                                           args.input_len, args.prompt_kind, args.seed)]
+                                                           args.input_len, args.prompt_kind, args.seed,
+                                                           args.output_len)]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peak = peak_bandwidth(args, device)  # measured before the server holds the device
     proc, log_path = None, os.path.join(tempfile.mkdtemp(prefix="longflash-bench-serve-"), "server.log")

@@ -93,3 +93,11 @@ def test_bench_serve_cpu(tmp_path):
     assert m["completed"] == 3 and m["failed"] == 0 and m["total_output_tokens"] == 15
     assert m["mean_ttft_ms"] > 0 and m["median_itl_ms"] > 0 and m["spec_decode_num_drafts"] >= 1
     assert 0 < m["bandwidth_roofline_fraction"] and m["roofline_estimated_from"]
+
+
+def test_prompt_length_range_counts_the_output():
+    from longflash.bench import make_prompts
+    ok = make_prompts(None, 50, 100, 3, 84, "random", 0, output_len=16)
+    assert [len(p["prompt_token_ids"]) for p in ok] == [84, 84, 84]
+    with pytest.raises(ValueError, match=r"\[1, 84\].*--output-len 16"):
+        make_prompts(None, 50, 100, 3, 90, "random", 0, output_len=16)

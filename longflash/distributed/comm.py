@@ -305,6 +305,10 @@ class StepChannel:
             time.sleep(nap)
             nap = min(nap * 2, self.MAX_NAP_S)
         obj = self.group.broadcast_object(None, src=0)
+        if obj is None:
+            # The stop message: rank 0 (the store's host) may exit right after posting it, so the
+            # store is not touched again (a late key clean-up raced with its exit: connection reset).
+            return None
         # NOTE: the last worker to pass a step deletes its keys, so the store does not grow.
         if _store.add(f"{key}/ack", 1) == self.group.world_size - 1:
             _store.delete_key(key)

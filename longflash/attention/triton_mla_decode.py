@@ -243,6 +243,10 @@ def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, ou
     raw_p = 0
     if PREFETCH:  # this tile's bytes in registers, the next tile's loaded during this tile's math
         raw_n, raw_p = _load_raw(cache_ptr, blk, n0, hi, R, P, BLOCK_R, BLOCK_P, BLOCK_SIZE)
+    # NOTE: the two loops below have the same body on purpose: the compiled kernel needs `range` so
+    # Triton's pipeliner overlaps the next tile's loads (num_stages), while the CPU interpreter needs a
+    # `while` over tensor bounds. The per-tile work lives in `_kv_tile`; only the prefetch hand-over
+    # is repeated.
     if INTERPRET:
         start = lo
         while start < hi:

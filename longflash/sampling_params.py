@@ -24,6 +24,18 @@ class SamplingParams:
         ignore_eos: keep generating past the EOS token.
         logprobs: None = none; N >= 0 = the sampled token's logprob plus the top N.
         skip_special_tokens: drop special tokens when detokenizing.
+        n: number of completions of the prompt (>= 1); ``LLM.generate`` and the server run them as
+            n requests with seeds seed, seed + 1, ... (when a seed is given), as vLLM does.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token that occurs in the
+            output so far (0 disables it).
+        frequency_penalty: in [-2, 2]; subtracted once per occurrence in the output so far (0
+            disables it).
+        repetition_penalty: > 0; logits of tokens in the prompt or the output so far are divided by
+            it when positive and multiplied by it otherwise (1 disables it).
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many output tokens
+            exist (stop strings still apply); 0 <= min_tokens <= max_tokens.
+    The penalties follow vLLM's ``SamplingParams`` (and OpenAI's API for presence/frequency); the
+    sampler applies them in vLLM's order (``runner/sampler.py``).
     Raises:
         ValueError from ``validate()`` naming the offending field.
     """
@@ -39,6 +51,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +67,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence/frequency/repetition penalty changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -69,3 +91,24 @@ class SamplingParams:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:  # NaN fails the range
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not (math.isfinite(rp) and rp > 0.0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longflash.config import EngineConfig, resolve_dtype
-from longflash.distributed import comm
+from longflash.distributed import comm, placement
 from longflash.engine.block_manager import BlockManager
 from longflash.engine.scheduler import Scheduler
 from longflash.engine.sequence import Sequence
@@ -19,7 +19,7 @@ from longflash.engine.stop_checker import StopChecker
 from longflash.models.loader import load_model
 from longflash.outputs import CompletionOutput, RequestOutput
 from longflash.runner.model_runner import ModelRunner
-from longflash.runner.sampler import compute_logprobs, sample_token
+from longflash.runner.sampler import compute_logprobs, needs_logits_processing, process_logits, sample_token
 from longflash.sampling_params import SamplingParams
 
 logger = logging.getLogger("longflash")
@@ -89,7 +89,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = torch.device(config.device)
+        # TP/DCP on GPUs: this rank's cuda:<local rank>, made current before anything is allocated there.
+        self.device = placement.bind_rank_device(config.device, config.tensor_parallel_size)
         t0 = time.perf_counter()
         from longflash.models.loader import load_config
         model_cfg = load_config(config.model)
@@ -447,6 +448,9 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         params.validate()
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for LLMEngine.add_request, got {params.n}; LLM.generate and the "
+                             "server fan n > 1 out into n requests")
         self.validate_prompt(ids, params)
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
@@ -558,7 +562,7 @@ class LLMEngine:
         # NOTE: the step's only device -> host sync on the decode path: every row's argmax at once
         # (greedy requests), instead of one read per sampled token.
         greedy = (res.logits.argmax(dim=-1).tolist()
-                  if any(s.seq.sampling_params.greedy for s in sched.scheduled) and res.logits.shape[0] else None)
+                  if any(self._plain_greedy(s.seq) for s in sched.scheduled) and res.logits.shape[0] else None)
         outputs = []
         now = time.time()
         for i, s in enumerate(sched.scheduled):
@@ -612,12 +616,21 @@ class LLMEngine:
         sampled (argmax when greedy) and compared with d_{k+1}; matching drafts are accepted and the
         first mismatch (or the bonus token after L acceptances) is committed too. Drafts are
         deterministic (argmax), so sample-and-compare is lossless (``shared/specs/dflash.md`` §4).
-        ``greedy_ids``: the rows' argmax, already read (used for greedy requests).
+        ``greedy_ids``: the rows' argmax, already read (used for greedy requests without logits
+        processing). With min_tokens or penalties, row k is processed as if drafts 1..k were accepted
+        (``sampler.process_logits``); greedy then takes the processed rows' argmax.
         """
         drafts = seq.spec_token_ids[:num_drafts]
+        raw = logits
+        params = seq.sampling_params
+        if needs_logits_processing(params, seq.num_output_tokens):
+            logits = process_logits(raw, params, seq.prompt_token_ids, seq.output_token_ids, drafts,
+                                    self.eos_token_ids)
+            greedy_ids = logits.argmax(dim=-1).tolist() if params.greedy else None
         out = []
         for k in range(num_drafts + 1):
-            t = self._sample(seq, logits[k], greedy_ids[k] if greedy_ids is not None else None)
+            t = self._sample(seq, logits[k], greedy_ids[k] if greedy_ids is not None else None,
+                             raw[k] if logits is not raw else None)
             out.append(t)
             if k == num_drafts or t != drafts[k]:
                 break
@@ -631,7 +644,14 @@ class LLMEngine:
                 st.spec_accepted_per_pos[k] = st.spec_accepted_per_pos.get(k, 0) + 1
         return out
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, greedy_id: int | None = None) -> int:
+    def _plain_greedy(self, seq: Sequence) -> bool:
+        """Greedy and no logits processing: the step's plain argmax is this request's token."""
+        return seq.sampling_params.greedy and not needs_logits_processing(seq.sampling_params, seq.num_output_tokens)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, greedy_id: int | None = None,
+                raw_logits: torch.Tensor | None = None) -> int:
+        """One token from logits [V] (processed, if the request has penalties/min_tokens); logprobs
+        come from ``raw_logits`` (the model's, default: ``logits``)."""
         gen = seq.generator if seq.generator is not None else self.sampling_generator
         if greedy_id is not None and seq.sampling_params.greedy:
             token = greedy_id  # = sample_token's argmax (first maximum), read for the whole step at once
@@ -639,7 +659,8 @@ class LLMEngine:
             token = sample_token(logits, seq.sampling_params, gen)
         if seq.output_logprobs is not None:
             decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
-            seq.output_logprobs.append(compute_logprobs(logits, token, seq.sampling_params.logprobs, decode))
+            seq.output_logprobs.append(compute_logprobs(logits if raw_logits is None else raw_logits, token,
+                                                        seq.sampling_params.logprobs, decode))
         return token
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:

@@ -1,6 +1,8 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling from logits: min_tokens, penalties, greedy, temperature, top-k, top-p, min-p,
+per-request seeds, logprobs.
 
-Order of the filters follows vLLM: temperature, then top-k, then top-p, then min-p; logprobs are
+Order follows vLLM's V1 sampler: the min_tokens mask, then the repetition, frequency and presence
+penalties (``process_logits``), then greedy argmax or temperature, top-k, top-p, min-p; logprobs are
 those of the raw model distribution (``log_softmax`` of the unmodified logits, vLLM's default).
 """
 
@@ -10,6 +12,101 @@ import torch
 
 from longflash.outputs import Logprob
 from longflash.sampling_params import SamplingParams
+
+
+def needs_logits_processing(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when ``process_logits`` changes this request's logits at its next position: a penalty is
+    set, or fewer than ``min_tokens`` output tokens exist. False keeps the plain (free) path."""
+    return params.has_penalties or num_output_tokens < params.min_tokens
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_token_ids: list[int],
+                   output_token_ids: list[int], draft_token_ids: list[int], eos_token_ids: set[int]) -> torch.Tensor:
+    """The min_tokens mask and the penalties for the rows of one request's verify step.
+
+    Row k scores the position after ``output_token_ids + draft_token_ids[:k]``: under speculative
+    decoding the target reaches row k only when drafts 1..k were accepted, so they count as output
+    tokens there (and toward min_tokens) although they are not appended to the sequence yet.
+
+    Args:
+        logits: [R, V] fp32, R = len(draft_token_ids) + 1 (or fewer rows: only the first R are used).
+        params: the request's SamplingParams.
+        prompt_token_ids, output_token_ids: the sequence's token ids so far (ints in [0, V)).
+        draft_token_ids: the drafts verified by this step (>= R - 1 of them).
+        eos_token_ids: the model's EOS ids; masked with ``stop_token_ids`` before min_tokens (as vLLM
+            does, also with ignore_eos).
+    Returns:
+        [R, V] fp32, a new tensor (``logits`` is not modified).
+    Raises:
+        ValueError if logits is not 2-D or fewer than R - 1 drafts are given.
+    Semantics: vLLM's ``MinTokensLogitsProcessor`` and ``apply_penalties`` (repetition over prompt
+    and output tokens: positive logits / penalty, others * penalty; then
+    logits -= frequency * count + presence * [count > 0] over output tokens).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    if len(draft_token_ids) < rows - 1:
+        raise ValueError(f"{rows} rows need {rows - 1} draft tokens, got {len(draft_token_ids)}")
+    logits = logits.to(torch.float32, copy=True)
+    if params.min_tokens:
+        apply_min_tokens(logits, len(output_token_ids), params.min_tokens,
+                         set(eos_token_ids) | set(params.stop_token_ids))
+    if params.has_penalties:
+        counts = output_token_counts(output_token_ids, draft_token_ids[:rows - 1], rows, vocab, logits.device)
+        apply_penalties(logits, prompt_token_ids, counts, params.repetition_penalty, params.frequency_penalty,
+                        params.presence_penalty)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, num_output_tokens: int, min_tokens: int, stop_ids: set[int]) -> None:
+    """In place: -inf at ``stop_ids`` in row k of logits [R, V] while ``num_output_tokens + k`` <
+    ``min_tokens``. Ids outside [0, V) are ignored (they cannot be sampled)."""
+    masked_rows = min(max(min_tokens - num_output_tokens, 0), logits.shape[0])
+    ids = [t for t in stop_ids if 0 <= t < logits.shape[1]]
+    if masked_rows and ids:
+        logits[:masked_rows, ids] = float("-inf")
+
+
+def output_token_counts(output_token_ids: list[int], draft_token_ids: list[int], rows: int, vocab: int,
+                        device: torch.device) -> torch.Tensor:
+    """[rows, vocab] fp32: row k counts ``output_token_ids + draft_token_ids[:k]`` per token id.
+
+    NOTE: rebuilt from the token ids at every step (one host -> device copy of the output ids);
+    only requests with a penalty pay it.
+    """
+    counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+    if output_token_ids:
+        ids = torch.tensor(output_token_ids, dtype=torch.long, device=device)
+        counts += torch.bincount(ids, minlength=vocab)[:vocab].float()
+    if rows > 1:
+        step = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        drafts = torch.tensor(draft_token_ids[:rows - 1], dtype=torch.long, device=device)
+        step[torch.arange(1, rows, device=device), drafts] = 1.0
+        counts += step.cumsum(dim=0)
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[int], output_counts: torch.Tensor,
+                    repetition_penalty: float, frequency_penalty: float, presence_penalty: float) -> None:
+    """In place on logits [R, V] fp32, with ``output_counts`` [R, V] (``output_token_counts``).
+
+    Repetition (if != 1) over tokens in the prompt or the row's output: positive logits are divided
+    by it, the others multiplied; then ``logits -= frequency * count + presence * [count > 0]``
+    (vLLM's ``apply_penalties``, OpenAI's presence/frequency penalty formula).
+    """
+    seen_out = output_counts > 0
+    if repetition_penalty != 1.0:
+        seen = seen_out.clone()
+        if prompt_token_ids:
+            ids = torch.tensor(prompt_token_ids, dtype=torch.long, device=logits.device)
+            seen[:, ids] = True
+        pen = torch.ones_like(logits).masked_fill_(seen, repetition_penalty)
+        logits.copy_(torch.where(logits > 0, logits / pen, logits * pen))
+    if frequency_penalty != 0.0:
+        logits -= frequency_penalty * output_counts
+    if presence_penalty != 0.0:
+        logits -= presence_penalty * seen_out.to(logits.dtype)
 
 
 def apply_sampling_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

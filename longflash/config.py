@@ -152,11 +152,12 @@ class EngineConfig:
         if self.cp_kv_cache_interleave_size < 1 or self.block_size % self.cp_kv_cache_interleave_size:
             raise ValueError(f"cp_kv_cache_interleave_size ({self.cp_kv_cache_interleave_size}) must be >= 1 and "
                              f"divide block_size ({self.block_size})")
-        if tp != 1 or dcp != 1:
-            # Wired so far: tensor parallelism (weights sharded over tp ranks) with DCP groups of dcp
-            # consecutive ranks, over the CPU (gloo).
-            if torch.device(self.device).type != "cpu":
-                raise NotImplementedError("tensor / decode-context parallelism is wired for the CPU (gloo) only so far")
+        if tp != 1:
+            # Tensor parallelism (weights sharded over tp ranks) with DCP groups of dcp consecutive
+            # ranks: gloo on the CPU, NCCL on GPUs with rank r on cuda:<local rank> (one GPU per rank).
+            from longflash.distributed.placement import check_parallel_device
+            cuda = torch.device(self.device).type == "cuda"
+            check_parallel_device(self.device, tp, torch.cuda.device_count() if cuda else 0)
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")

@@ -66,8 +66,7 @@ def test_engine_dcp_equals_single_process(tiny_model, variant, dcp, kw):
 
 
 def test_unwired_combinations_still_refused():
-    with pytest.raises(NotImplementedError):   # the process model runs over gloo on the CPU only so far
-        EngineConfig(model="x", tensor_parallel_size=2, decode_context_parallel_size=1, device="cuda")
+    # (CUDA devices are wired now: their start-up checks are in test_dcp_nccl.py)
     with pytest.raises(ValueError):
         EngineConfig(model="x", tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
                      cp_kv_cache_interleave_size=3)

@@ -6,25 +6,41 @@ swap in NCCL tuning or custom all-reduce here alone). Layout (vLLM's): ``world =
 decode-context-parallel (DCP) groups are consecutive runs of ``dcp_size`` ranks inside the TP group,
 e.g. tp 4, dcp 2 -> DCP groups {0, 1} and {2, 3}.
 
+Backends: ``gloo`` on the CPU; ``nccl`` on GPUs (each rank on ``cuda:<local rank>``, bound by
+``placement.bind_rank_device`` before anything touches the GPU). NCCL moves CUDA tensors only, so under
+NCCL every group also has a gloo twin (vLLM's ``cpu_group``): a collective on a CPU tensor (e.g. the
+DFlash drafts check) and the step channel's object broadcast go over it; CUDA tensors take NCCL.
+
 Failure model: the process groups are created with a ``timeout``; on gloo a collective whose peer
-died raises (connection reset immediately, or after the timeout), it never waits forever. Callers
-let the exception propagate so the engine exits with an error.
+died raises (connection reset immediately, or after the timeout), it never waits forever; on NCCL
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, set unless the user chose otherwise) PyTorch's watchdog aborts
+a collective that outlives the timeout and ends the process with the error. Callers let exceptions
+propagate so the engine exits with an error.
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
+import io
 import os
+import pickle
 import socket
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.serialization import default_restore_location
+
+from longflash.distributed.placement import apply_nccl_env_defaults, default_backend, restore_location
 
 DEFAULT_TIMEOUT_S = 60.0
 _timeout_s = DEFAULT_TIMEOUT_S  # the timeout of the default group, reused for subgroups
 _store = None                  # the rendezvous store (rank 0 hosts it unless torchrun's agent does)
+_backend: str | None = None    # the default group's backend
+_device: torch.device | None = None  # this rank's device (objects received land their CUDA tensors here)
+_cpu_world = None              # gloo twin of the default group under NCCL (None: the default group is gloo)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -36,11 +52,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def default_backend(device: torch.device | str) -> str:
-    """``nccl`` for CUDA devices, ``gloo`` otherwise."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 @dataclass
@@ -72,14 +83,20 @@ class DistEnv:
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None, master_port: int | None = None,
-                     master_addr: str = "127.0.0.1", backend: str = "gloo",
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> DistEnv:
+                     master_addr: str = "127.0.0.1", backend: str | None = None,
+                     timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None) -> DistEnv:
     """Join the default process group.
 
     Either all of ``rank``, ``world_size``, ``master_port`` are given (spawned ranks), or none
     and torchrun's environment supplies them. ``timeout_s`` bounds every later collective
-    (and the rendezvous). Raises ValueError when neither source is complete, RuntimeError when
-    a process group already exists with another layout.
+    (and the rendezvous). ``device`` is this rank's device (default: the CPU); for a CUDA device it
+    must be indexed (``cuda:<local rank>``, see ``placement.bind_rank_device``). ``backend`` defaults
+    to ``placement.default_backend(device)`` (``nccl`` on CUDA, ``gloo`` on the CPU). Under NCCL:
+    ``placement.NCCL_ENV_DEFAULTS`` are set where the user did not set them, the device is made
+    current, passed to ``init_process_group`` as ``device_id`` (eager NCCL communicator, where this
+    torch supports it), and a gloo twin of the world is created for CPU tensors and objects.
+    Raises ValueError when neither source is complete or the CUDA device has no index,
+    RuntimeError when a process group already exists with another layout.
     """
     if rank is None and world_size is None and master_port is None:
         de = DistEnv.from_torchrun_env()
@@ -90,63 +107,124 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, mas
         raise ValueError("give all of rank, world_size, master_port (or none, to use torchrun's env)")
     else:
         de = DistEnv(rank, world_size, master_addr, master_port)
-    global _timeout_s
+    dev = torch.device("cpu" if device is None else device)
+    backend = backend or default_backend(dev)
+    if backend == "nccl" and (dev.type != "cuda" or dev.index is None):
+        raise ValueError(f"the nccl backend needs this rank's indexed CUDA device (cuda:<local rank>), got {dev}")
+    global _timeout_s, _store, _backend, _device, _cpu_world
     if dist.is_initialized():
         if dist.get_rank() != de.rank or dist.get_world_size() != de.world_size:
             raise RuntimeError("a process group with another rank/world size already exists")
         return de
-    global _store
     td = datetime.timedelta(seconds=timeout_s)
+    kw = {}
+    if backend == "nccl":
+        apply_nccl_env_defaults()  # read when the communicators are created, i.e. below
+        torch.cuda.set_device(dev)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kw["device_id"] = dev
     # NOTE: under torchrun the agent already serves a store on MASTER_PORT; every rank is a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     _store = dist.TCPStore(de.master_addr, de.master_port, de.world_size,
                            is_master=de.rank == 0 and not agent_store, timeout=td)
-    dist.init_process_group(backend=backend, store=_store, rank=de.rank, world_size=de.world_size, timeout=td)
-    _timeout_s = timeout_s
+    dist.init_process_group(backend=backend, store=_store, rank=de.rank, world_size=de.world_size, timeout=td, **kw)
+    _timeout_s, _backend, _device = timeout_s, backend, dev
+    _cpu_world = dist.new_group(list(range(de.world_size)), timeout=td, backend="gloo") if backend != "gloo" else None
     return de
 
 
 def destroy_distributed() -> None:
-    """Leave the default process group (no-op if none)."""
-    global _store, _state
+    """Leave the default process group and its subgroups (no-op if none)."""
+    global _store, _state, _backend, _device, _cpu_world
     if dist.is_initialized():
         dist.destroy_process_group()
-    _store, _state = None, None
+    _store, _state, _backend, _device, _cpu_world = None, None, None, None, None
+
+
+def backend() -> str | None:
+    """The default group's backend (``gloo`` / ``nccl``), None before :func:`init_distributed`."""
+    return _backend
+
+
+def _pack(obj) -> torch.Tensor:
+    """``obj`` serialized (``torch.save``: tensors keep their device tag) as a 1-D uint8 CPU tensor."""
+    buf = io.BytesIO()
+    torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def _unpack(data: torch.Tensor, device: torch.device | None = None):
+    """Inverse of :func:`_pack`; CUDA tensors land on ``device`` when it is a CUDA device
+    (``placement.restore_location``), CPU tensors stay on the CPU. Only for objects from our own ranks
+    (full unpickling)."""
+    def restore(storage, location):
+        return default_restore_location(storage, restore_location(location, device))
+    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=restore, weights_only=False)
 
 
 class GroupCoordinator:
     """A process group and the collectives the engine uses on it.
 
-    ``ranks`` are global ranks, ``rank_in_group`` this process's index among them. A group of one
-    rank needs no ``torch.distributed`` at all: every collective is then the identity, so the
-    same code runs single-process.
+    ``ranks`` are global ranks, ``rank_in_group`` this process's index among them. ``group`` is the
+    ``torch.distributed`` group (None: the default group); ``cpu_group`` its gloo twin under NCCL
+    (None: the group itself when it is gloo, the world's twin when ``group`` is the default group).
+    A group of one rank without a process group needs no ``torch.distributed`` at all: every
+    collective is then the identity, so the same code runs single-process. Collectives route by
+    tensor: CUDA tensors over ``group``, CPU tensors over the gloo twin.
     """
 
-    def __init__(self, ranks: list[int], rank_in_group: int, group=None):
+    def __init__(self, ranks: list[int], rank_in_group: int, group=None, cpu_group=None):
         self.ranks = list(ranks)
         self.world_size = len(ranks)
         self.rank_in_group = rank_in_group
         self.group = group
+        self.cpu_group = cpu_group
+        self._identity = self.world_size == 1 and group is None
 
     @property
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
+
+    def _cpu_pg(self):
+        """The gloo group for CPU tensors and objects."""
+        if self.cpu_group is not None:
+            return self.cpu_group
+        if _backend in (None, "gloo"):
+            return self.group
+        if self.group is None or self.group is dist.group.WORLD:
+            return _cpu_world
+        raise RuntimeError("a subgroup of an NCCL world needs its gloo twin (cpu_group)")
+
+    def _pg(self, x: torch.Tensor):
+        """The group that moves ``x``: NCCL needs CUDA tensors, gloo takes CPU tensors."""
+        return self._cpu_pg() if x.device.type == "cpu" else self.group
+
+    @staticmethod
+    def _nccl(x: torch.Tensor) -> bool:
+        """Whether ``x`` travels over NCCL (a CUDA tensor in an NCCL world)."""
+        return _backend == "nccl" and x.device.type != "cpu"
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Sum (``op="sum"``) or maximum (``op="max"``) over the group, in place; returns ``x``.
         ``x`` must be contiguous. Raises ValueError for another ``op``."""
         if op not in ("sum", "max"):
             raise ValueError(f"all_reduce op must be 'sum' or 'max', got {op!r}")
-        if self.world_size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        if not self._identity:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self._pg(x))
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim``, rank order."""
-        if self.world_size == 1:
+        if self._identity:
             return x
+        pg = self._pg(x)
+        if self._nccl(x):  # one buffer [world, *x.shape], then the world axis folded into dim
+            out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
+            d = dim % x.dim()
+            return out.movedim(0, d).flatten(d, d + 1)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        dist.all_gather(parts, x.contiguous(), group=pg)
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -159,29 +237,41 @@ class GroupCoordinator:
         if x.shape[dim] % self.world_size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} not divisible by "
                              f"group size {self.world_size}")
-        if self.world_size == 1:
+        if self._identity:
             return x
         n = x.shape[dim] // self.world_size
-        if dist.get_backend(self.group) == "nccl":
+        pg = self._pg(x)
+        if self._nccl(x):
             xm = x.movedim(dim, 0).contiguous()
             out = torch.empty((n, *xm.shape[1:]), dtype=x.dtype, device=x.device)
-            dist.reduce_scatter_tensor(out, xm, group=self.group)
+            dist.reduce_scatter_tensor(out, xm, group=pg)
             return out.movedim(0, dim)
         y = x.contiguous()
-        dist.all_reduce(y, group=self.group)
+        dist.all_reduce(y, group=pg)
         return y.narrow(dim, self.rank_in_group * n, n)
 
     def broadcast_object(self, obj=None, src: int = 0):
-        """Send a picklable object from group rank ``src`` to all; returns it on every rank."""
-        if self.world_size == 1:
+        """Send a picklable object from group rank ``src`` to all; returns it on every rank (``src``
+        gets ``obj`` itself). Travels over the gloo group as ``torch.save`` bytes (a length, then the
+        bytes); tensors in it arrive on the same kind of device, CUDA ones on this rank's GPU."""
+        if self._identity:
             return obj
-        box = [obj if self.rank_in_group == src else None]
-        dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
-        return box[0]
+        pg, root = self._cpu_pg(), self.ranks[src]
+        if self.rank_in_group == src:
+            data = _pack(obj)
+            dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=root, group=pg)
+            dist.broadcast(data, src=root, group=pg)
+            return obj
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(n, src=root, group=pg)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        dist.broadcast(data, src=root, group=pg)
+        return _unpack(data, _device)
 
     def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
+        """Wait for every rank of the group (over the gloo group: no GPU work)."""
+        if not self._identity:
+            dist.barrier(group=self._cpu_pg())
 
 
 @dataclass
@@ -262,13 +352,17 @@ def initialize_model_parallel(tp_size: int, dcp_size: int, cp_kv_cache_interleav
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != tp_size:
         raise ValueError(f"world size {world} != tensor_parallel_size {tp_size}")
-    tp = GroupCoordinator(list(range(tp_size)), rank, dist.group.WORLD)
+    tp = GroupCoordinator(list(range(tp_size)), rank, dist.group.WORLD, _cpu_world)
     dcp = None
+    td = datetime.timedelta(seconds=_timeout_s)
     for ranks in groups:
         # NOTE: new_group must be called by every rank for every group, in the same order.
-        g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=_timeout_s)) if dcp_size > 1 else None
+        g = cg = None
+        if dcp_size > 1:
+            g = dist.new_group(ranks, timeout=td)
+            cg = dist.new_group(ranks, timeout=td, backend="gloo") if _backend != "gloo" else None
         if rank in ranks:
-            dcp = GroupCoordinator(ranks, ranks.index(rank), g)
+            dcp = GroupCoordinator(ranks, ranks.index(rank), g, cg)
     _state = ParallelState(tp, dcp, cp_kv_cache_interleave_size)
     return _state
 
@@ -278,7 +372,8 @@ class StepChannel:
 
     ``post(obj)`` on rank 0 / ``recv()`` on the others. A worker polls the rendezvous store for the
     next step's key (naps up to ``MAX_NAP_S``), so an idle engine never trips the collective timeout; the
-    payload then travels by ``broadcast_object``. If rank 0 dies, the store connection breaks and
+    payload then travels by ``broadcast_object`` (over gloo, also in an NCCL world: no GPU work, and the
+    batch's CUDA tensors arrive on each worker's own GPU). If rank 0 dies, the store connection breaks and
     ``recv`` raises. ``post(None)`` tells the workers to stop.
     """
 

@@ -3,11 +3,14 @@
 Rank 0 has already built its weight shards (``comm.planned_tp_group``); each worker builds its own
 after joining the group (``load_model`` reads only the rank's slices).
 
+Devices: on the CPU every rank uses gloo; on GPUs rank r uses ``cuda:<local rank>`` and NCCL
+(``placement.bind_rank_device``; rank 0's GPU is bound by ``LLMEngine`` before it loads its shards).
+
 Single host: rank 0 (the process that builds the engine) starts ranks 1..N-1 itself (forkserver),
-on ``--master-port`` or a free port. Multi-host: launch every rank with torchrun, e.g.
+on ``--master-port`` or a free port; rank r takes ``cuda:r``. Multi-host: launch every rank with torchrun, e.g.
 ``torchrun --nnodes 2 --nproc-per-node 2 --node-rank K --master-addr HOST0 --master-port 29500 -m
 longflash.entrypoints.cli generate -tp 4 -dcp 4 ...``; the engine reads ``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT`` and, on every rank but 0, turns into a worker that exits when rank 0
+``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK`` for the GPU) and, on every rank but 0, turns into a worker that exits when rank 0
 shuts down (see ``docs/dcp.md``).
 """
 
@@ -20,43 +23,48 @@ import torch
 
 from longflash.distributed import comm
 from longflash.distributed.launch import _context
+from longflash.distributed.placement import bind_rank_device
 from longflash.distributed.runner import DCPModelRunner
 
 logger = logging.getLogger("longflash")
 
 
-def _make_runner(model, config, num_blocks: int, kv_cache_dtype: torch.dtype, ps: comm.ParallelState,
-                 proposer=None) -> DCPModelRunner:
-    return DCPModelRunner(model, num_blocks, config.block_size, kv_cache_dtype, torch.device(config.device),
+def _make_runner(model, config, num_blocks: int, kv_cache_dtype: torch.dtype, device: torch.device,
+                 ps: comm.ParallelState, proposer=None) -> DCPModelRunner:
+    return DCPModelRunner(model, num_blocks, config.block_size, kv_cache_dtype, device,
                           config.calculate_kv_scales, config.context_workspace_rows,
                           parallel=ps, channel=comm.StepChannel(ps.tp), proposer=proposer)
 
 
-def _worker_proposer(drafter: str | None, model, config, num_blocks: int, dtype: torch.dtype):
+def _worker_proposer(drafter: str | None, model, config, num_blocks: int, dtype: torch.dtype, device: torch.device):
     """This worker's DFlash proposer with its replicated draft pool (``num_blocks`` logical blocks of
     ``block_size * dcp`` tokens), or None without a drafter."""
     if drafter is None:
         return None
     from longflash.spec_decode.proposer import DFlashProposer
-    proposer = DFlashProposer.from_engine_config(drafter, model, dtype, torch.device(config.device), config)
+    proposer = DFlashProposer.from_engine_config(drafter, model, dtype, device, config)
     proposer.allocate(num_blocks, config.block_size * config.decode_context_parallel_size)
     return proposer
 
 
 def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_cache_dtype: torch.dtype,
                  dtype: torch.dtype, num_threads: int, drafter: str | None = None) -> None:
-    """Rank 1..N-1: load the model (and the DFlash drafter at ``drafter``), build this rank's KV shard
-    and replicated draft pool, run steps until rank 0 stops."""
-    torch.set_num_threads(num_threads)
+    """Rank 1..N-1 (local processes): on ``cuda:<rank>`` (made current before anything touches the GPU)
+    or the CPU, load the model (and the DFlash drafter at ``drafter``), build this rank's KV shard and
+    replicated draft pool, run steps until rank 0 stops. ``num_threads`` (rank 0's torch thread count)
+    applies on the CPU only, where the ranks share the cores."""
     from longflash.models.loader import load_model
     try:
-        comm.init_distributed(rank, world, port, timeout_s=config.distributed_timeout_s)
+        device = bind_rank_device(config.device, world, rank)
+        if device.type == "cpu":
+            torch.set_num_threads(num_threads)
+        comm.init_distributed(rank, world, port, timeout_s=config.distributed_timeout_s, device=device)
         ps = comm.initialize_model_parallel(world, config.decode_context_parallel_size,
                                             config.cp_kv_cache_interleave_size)
         torch.manual_seed(config.seed)
-        model, _ = load_model(config.model, dtype, torch.device(config.device), progress=False)
-        proposer = _worker_proposer(drafter, model, config, num_blocks, dtype)
-        _make_runner(model, config, num_blocks, kv_cache_dtype, ps, proposer).serve_forever()
+        model, _ = load_model(config.model, dtype, device, progress=False)
+        proposer = _worker_proposer(drafter, model, config, num_blocks, dtype, device)
+        _make_runner(model, config, num_blocks, kv_cache_dtype, device, ps, proposer).serve_forever()
     except BaseException:
         logger.exception("DCP worker rank %d failed", rank)
         sys.exit(1)
@@ -118,11 +126,11 @@ def start_dcp(engine) -> DCPModelRunner:
     if env is not None:
         if env.world_size != world:
             raise ValueError(f"torchrun WORLD_SIZE {env.world_size} != tensor_parallel_size {world}")
-        comm.init_distributed(timeout_s=cfg.distributed_timeout_s)
+        comm.init_distributed(timeout_s=cfg.distributed_timeout_s, device=engine.device)
         if env.rank != 0:
             ps = comm.initialize_model_parallel(world, cfg.decode_context_parallel_size,
                                                 cfg.cp_kv_cache_interleave_size)
-            _make_runner(engine.model, cfg, engine.num_blocks, engine.kv_cache_dtype, ps,
+            _make_runner(engine.model, cfg, engine.num_blocks, engine.kv_cache_dtype, engine.device, ps,
                          engine.proposer).serve_forever()
             comm.destroy_distributed()
             sys.exit(0)
@@ -136,16 +144,21 @@ def start_dcp(engine) -> DCPModelRunner:
             p.start()
             procs.append(p)
         try:
-            comm.init_distributed(0, world, port, timeout_s=cfg.distributed_timeout_s)
+            comm.init_distributed(0, world, port, timeout_s=cfg.distributed_timeout_s, device=engine.device)
         except BaseException:
             for p in procs:
                 p.kill()
             raise
     ps = comm.initialize_model_parallel(world, cfg.decode_context_parallel_size, cfg.cp_kv_cache_interleave_size)
     runner = _Rank0Runner(engine.model, engine.num_blocks, cfg.block_size, engine.kv_cache_dtype,
-                          torch.device(cfg.device), cfg.calculate_kv_scales, cfg.context_workspace_rows,
+                          engine.device, cfg.calculate_kv_scales, cfg.context_workspace_rows,
                           parallel=ps, channel=comm.StepChannel(ps.tp), proposer=engine.proposer)
     runner.procs = procs
-    logger.info("decode-context parallelism: %d ranks (%s), interleave %d", world,
-                "torchrun" if env is not None else "local processes", cfg.cp_kv_cache_interleave_size)
+    logger.info("tensor parallelism %d, decode-context parallelism %d: %d ranks (%s, %s, rank 0 on %s), "
+                "interleave %d", world, cfg.decode_context_parallel_size, world,
+                "torchrun" if env is not None else "local processes", comm.backend(), engine.device,
+                cfg.cp_kv_cache_interleave_size)
+    if engine.device.type == "cuda":
+        logger.info("CUDA graphs and uniform decode steps are off under tensor parallelism (eager steps; "
+                    "capture under NCCL is not wired yet)")
     return runner

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longflash.config import EngineConfig, resolve_dtype
-from longflash.distributed import comm
+from longflash.distributed import comm, placement
 from longflash.engine.block_manager import BlockManager
 from longflash.engine.scheduler import Scheduler
 from longflash.engine.sequence import Sequence
@@ -89,7 +89,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = torch.device(config.device)
+        # TP/DCP on GPUs: this rank's cuda:<local rank>, made current before anything is allocated there.
+        self.device = placement.bind_rank_device(config.device, config.tensor_parallel_size)
         t0 = time.perf_counter()
         from longflash.models.loader import load_config
         model_cfg = load_config(config.model)

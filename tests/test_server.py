@@ -270,7 +270,7 @@ BAD_INPUTS = [
     ("token_negative", "/v1/completions", {**OK_COMPLETION, "prompt": [-1]}, None, 400, "prompt", "invalid_value"),
     ("body_too_large", "/v1/completions", {**OK_COMPLETION, "prompt": "x" * (BODY_LIMIT + 10)}, None, 413, None,
      "request_too_large"),
-    ("n_above_one", "/v1/completions", {**OK_COMPLETION, "n": 2}, None, 400, "n", "invalid_value"),
+    ("n_zero", "/v1/completions", {**OK_COMPLETION, "n": 0}, None, 400, "n", "invalid_value"),
     ("logprobs_too_many", "/v1/completions", {**OK_COMPLETION, "logprobs": 1000}, None, 400, "logprobs",
      "invalid_value"),
     ("no_api_key", "/v1/completions", OK_COMPLETION, {"Content-Type": "application/json"}, 401, None,

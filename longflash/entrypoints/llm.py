@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from longflash.config import EngineConfig
 from longflash.default_model_path import default_model_path
 from longflash.engine.llm_engine import LLMEngine
+from longflash.entrypoints.parallel_sampling import child_params, child_request_ids, merge_outputs
 from longflash.outputs import RequestOutput
 from longflash.sampling_params import SamplingParams
 
@@ -30,9 +31,10 @@ class LLM:
         return self.engine.tokenizer
 
     def default_sampling_params(self) -> SamplingParams:
-        """The checkpoint's ``generation_config.json`` defaults (temperature, top_p, top_k)."""
+        """The checkpoint's ``generation_config.json`` defaults (temperature, top_p, top_k, min_p,
+        repetition_penalty)."""
         gc = self.engine.generation_config
-        kw = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in gc}
+        kw = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gc}
         if gc.get("do_sample") is False:
             kw["temperature"] = 0.0
         return SamplingParams(**kw)
@@ -42,8 +44,10 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for each prompt (text, ``{"prompt_token_ids": [...]}``, or a list of ids).
 
-        Returns one RequestOutput per prompt, in input order. Raises ValueError for an invalid
-        prompt before anything runs.
+        Returns one RequestOutput per prompt, in input order; a prompt whose SamplingParams has
+        ``n > 1`` runs as n requests (seeds seed, seed + 1, ... when seeded) merged into one output
+        with ``outputs[i].index == i`` (``parallel_sampling.py``). Raises ValueError for an invalid
+        prompt or SamplingParams before anything runs.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -53,15 +57,22 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("one SamplingParams per prompt is required")
-        ids = []
+        groups: list[tuple[str, list[str]]] = []  # (request id, its engine requests' ids)
         try:
             for p, sp in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(None, p, sp))
+                children = child_params(sp)
+                rid = self.engine.new_request_id()
+                groups.append((rid, []))
+                for cid, cp in zip(child_request_ids(rid, len(children)), children):
+                    groups[-1][1].append(self.engine.add_request(cid, p, cp))
         except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
+            for _, ids in groups:
+                for cid in ids:
+                    self.engine.abort_request(cid)
             raise
-        return self._run(ids, use_tqdm)
+        final = self._run([cid for _, ids in groups for cid in ids], use_tqdm)
+        return [final[ids[0]] if len(ids) == 1 else merge_outputs(rid, [final[c] for c in ids])
+                for rid, ids in groups]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -72,7 +83,7 @@ class LLM:
             prompts.append({"prompt_token_ids": self.engine.apply_chat_template(conv, add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
@@ -81,4 +92,4 @@ class LLM:
                     final[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [final[i] for i in ids]
+        return final

@@ -28,7 +28,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import longflash
-from longflash.entrypoints.server.async_engine import AsyncEngine, EngineRequestError, RequestStream
+from longflash.entrypoints.parallel_sampling import child_params, child_request_ids
+from longflash.entrypoints.server.async_engine import AsyncEngine, EngineRequestError, RequestStream, merge_streams
 from longflash.entrypoints.server.metrics import ServerMetrics
 from longflash.entrypoints.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                    DetokenizeRequest, TokenizeRequest, chat_logprobs,
@@ -38,7 +39,9 @@ from longflash.sampling_params import SamplingParams
 logger = logging.getLogger("longflash.server")
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
-_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs", "stop", "seed")
+_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs", "stop", "seed", "n",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+MAX_N = 128  # completions per request; each is an engine request
 
 
 class ApiError(Exception):
@@ -120,7 +123,7 @@ class _Server:
         self.speculative_config = speculative_config
         self.created = int(time.time())
         gc = self.engine.generation_config
-        self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in gc}
+        self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gc}
         if gc.get("do_sample") is False:
             self.defaults["temperature"] = 0.0
 
@@ -181,9 +184,11 @@ class _Server:
         return self.names[0]
 
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if req.n != 1:
-            raise ApiError(400, f"n must be 1 (only one choice per request is supported), got {req.n}", param="n",
-                           code="invalid_value")
+        if not 1 <= req.n <= MAX_N:
+            raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n", code="invalid_value")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(400, f"best_of is not supported (vLLM V1 dropped it); leave it out or equal to n, got "
+                           f"best_of={req.best_of} with n={req.n}", param="best_of", code="invalid_value")
         if max_tokens is not None and max_tokens < 1:
             raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens",
                            code="invalid_value")
@@ -201,35 +206,64 @@ class _Server:
         try:
             return SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
                                   top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=req.seed,
-                                  max_tokens=max_tokens or 1, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                                  # An omitted max_tokens is set on the engine thread (``add``).
+                                  max_tokens=max_tokens or max(req.min_tokens, 1), stop=req.stop,
+                                  stop_token_ids=req.stop_token_ids,
                                   ignore_eos=req.ignore_eos, logprobs=logprobs,
-                                  skip_special_tokens=req.skip_special_tokens)
+                                  skip_special_tokens=req.skip_special_tokens, n=req.n,
+                                  presence_penalty=pick("presence_penalty", 0.0),
+                                  frequency_penalty=pick("frequency_penalty", 0.0),
+                                  repetition_penalty=pick("repetition_penalty", 1.0), min_tokens=req.min_tokens)
         except ValueError as e:
             raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
 
     async def add(self, request_id: str, prompt_fn: Callable[[Any], list[int]], params: SamplingParams,
-                  default_max_tokens: bool) -> RequestStream:
-        """Queue a request whose token ids ``prompt_fn(engine)`` computes on the engine thread."""
-        def build(engine):
-            ids = prompt_fn(engine)
-            if default_max_tokens:  # vLLM's default: the rest of the context window
-                params.max_tokens = max(engine.max_model_len - len(ids), 1)
-            return {"prompt_token_ids": ids}, params
+                  default_max_tokens: bool) -> list[RequestStream]:
+        """Queue a request whose token ids ``prompt_fn(engine)`` computes (once) on the engine thread:
+        ``params.n`` engine requests (``parallel_sampling.py``), one stream each, choice i = stream i.
+        Raises ApiError 400 for input the engine rejects (nothing stays queued)."""
+        children = child_params(params)
+        prompt_ids: list[list[int]] = []
 
+        def build_for(child: SamplingParams):
+            def build(engine):
+                if not prompt_ids:
+                    prompt_ids.append(prompt_fn(engine))
+                ids = list(prompt_ids[0])
+                if default_max_tokens:  # vLLM's default: the rest of the context window
+                    child.max_tokens = max(engine.max_model_len - len(ids), 1)
+                return {"prompt_token_ids": ids}, child
+            return build
+
+        streams: list[RequestStream] = []
         try:
-            return await self.ae.add_request(request_id, build)
+            for cid, child in zip(child_request_ids(request_id, len(children)), children):
+                streams.append(await self.ae.add_request(cid, build_for(child)))
         except ValueError as e:
+            self.abort(streams)
             raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
         except EngineRequestError as e:
+            self.abort(streams)
             raise ApiError(503, str(e), code="engine_unavailable") from None
+        except BaseException:
+            self.abort(streams)
+            raise
+        return streams
 
-    async def collect(self, stream: RequestStream, request: Request):
-        """Final output of a non-streaming request; aborts it if the client goes away first."""
+    def abort(self, streams: list[RequestStream]) -> None:
+        """Abort the streams' requests that have not finished (fire and forget)."""
+        for stream in streams:
+            if not stream.finished:
+                self.ae.abort(stream.request_id)
+
+    async def collect(self, streams: list[RequestStream], request: Request) -> list:
+        """Final outputs of a non-streaming request's streams; aborts them all if the client goes
+        away first or the engine fails one of them."""
         async def drain():
-            final = None
-            async for out in stream:
-                final = out
-            return final
+            finals = [None] * len(streams)
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+            return finals
 
         async def disconnected():
             while True:
@@ -245,32 +279,32 @@ class _Server:
             watcher.cancel()
             if not task.done():
                 task.cancel()
-                self.ae.abort(stream.request_id)
+                self.abort(streams)
         if not task.done() or task.cancelled():
             raise ApiError(499, "the client closed the request", code="client_closed_request")
         try:
             return task.result()
         except EngineRequestError as e:
+            self.abort(streams)  # the other choices of this request
             raise ApiError(500, str(e), code="engine_error") from None
 
     def decode_token(self, tid: int) -> str:
         return self.engine.tokenizer.decode([tid]) if self.engine.tokenizer is not None else ""
 
 
-def _stream_with_abort(srv: _Server, stream: RequestStream,
-                       body: Callable[[RequestStream], AsyncIterator[str]]) -> StreamingResponse:
-    """SSE response; a client that disconnects mid-stream aborts the request (its blocks are freed
-    before the next engine step)."""
+def _stream_with_abort(srv: _Server, streams: list[RequestStream],
+                       body: Callable[[list[RequestStream]], AsyncIterator[str]]) -> StreamingResponse:
+    """SSE response; a client that disconnects mid-stream aborts the request's engine requests (their
+    blocks are freed before the next engine step), as does an engine failure of one of them."""
     async def gen():
         try:
-            async for frame in body(stream):
+            async for frame in body(streams):
                 yield frame
         except EngineRequestError as e:
             yield _sse(error_body(500, str(e), code="engine_error"))
             yield "data: [DONE]\n\n"
         finally:
-            if not stream.finished:
-                srv.ae.abort(stream.request_id)
+            srv.abort(streams)
 
     return StreamingResponse(gen(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -285,6 +319,18 @@ def _stream_delta(text: str, finished: bool, sent: int, hold: int) -> tuple[str,
     if upto <= sent:
         return "", sent
     return text[sent:upto], upto
+
+class _Sent:
+    """What one choice of a stream has sent: characters, tokens, the logprobs' text offset."""
+
+    def __init__(self):
+        self.text = self.tokens = self.text_offset = 0
+
+
+def _usage_of(finals: list) -> dict:
+    """Usage of a request's choices: the prompt once, the completion tokens of every choice."""
+    return usage(len(finals[0].prompt_token_ids), sum(len(f.outputs[0].token_ids) for f in finals))
+
 
 def _held_back(params: SamplingParams) -> int:
     """Characters to hold back while streaming so that a stop string is never partly sent."""
@@ -415,52 +461,52 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             return list(prompt)
 
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await srv.add(rid, prompt_fn, params, req.max_tokens is None)
+        streams = await srv.add(rid, prompt_fn, params, req.max_tokens is None)
         created = int(time.time())
         want_lp = req.logprobs is not None
 
         if not req.stream:
-            final = await srv.collect(stream, request)
-            comp = final.outputs[0]
-            lp = (completion_logprobs(comp.token_ids, comp.logprobs or [], 0, srv.decode_token)
-                  if want_lp else None)
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": comp.text, "logprobs": lp, "finish_reason": comp.finish_reason,
-                                 "stop_reason": comp.stop_reason}],
-                    "usage": usage(len(final.prompt_token_ids), len(comp.token_ids)), "system_fingerprint": None}
+            finals = await srv.collect(streams, request)
+            choices = []
+            for i, final in enumerate(finals):
+                comp = final.outputs[0]
+                lp = (completion_logprobs(comp.token_ids, comp.logprobs or [], 0, srv.decode_token)
+                      if want_lp else None)
+                choices.append({"index": i, "text": comp.text, "logprobs": lp, "finish_reason": comp.finish_reason,
+                                "stop_reason": comp.stop_reason})
+            return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                    "usage": _usage_of(finals), "system_fingerprint": None}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         hold = _held_back(params)
 
-        async def body(stream: RequestStream):
-            sent_text = sent_tok = 0
-            text_offset = 0
-            final = None
-            async for out in stream:
-                comp = out.outputs[0]
-                delta, sent_text = _stream_delta(comp.text, out.finished, sent_text, hold)
+        async def body(streams: list[RequestStream]):
+            sent = [_Sent() for _ in streams]
+            finals = [None] * len(streams)
+            async for i, out in merge_streams(streams):
+                comp, st = out.outputs[0], sent[i]
+                delta, st.text = _stream_delta(comp.text, out.finished, st.text, hold)
                 lp = None
-                if want_lp and len(comp.token_ids) > sent_tok:
-                    lp = completion_logprobs(comp.token_ids[sent_tok:], (comp.logprobs or [])[sent_tok:],
-                                             text_offset, srv.decode_token)
-                    text_offset += sum(len(t) for t in lp["tokens"])
-                sent_tok = len(comp.token_ids)
+                if want_lp and len(comp.token_ids) > st.tokens:
+                    lp = completion_logprobs(comp.token_ids[st.tokens:], (comp.logprobs or [])[st.tokens:],
+                                             st.text_offset, srv.decode_token)
+                    st.text_offset += sum(len(t) for t in lp["tokens"])
+                st.tokens = len(comp.token_ids)
                 if delta or lp is not None or out.finished:
                     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [{"index": 0, "text": delta, "logprobs": lp,
+                             "choices": [{"index": i, "text": delta, "logprobs": lp,
                                           "finish_reason": comp.finish_reason if out.finished else None,
                                           "stop_reason": comp.stop_reason if out.finished else None}]}
                     if include_usage:
                         chunk["usage"] = None
                     yield _sse(chunk)
-                final = out
-            if include_usage and final is not None:
+                finals[i] = out
+            if include_usage and all(f is not None for f in finals):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": usage(len(final.prompt_token_ids),
-                                                          len(final.outputs[0].token_ids))})
+                            "choices": [], "usage": _usage_of(finals)})
             yield "data: [DONE]\n\n"
 
-        return _stream_with_abort(srv, stream, body)
+        return _stream_with_abort(srv, streams, body)
 
     # ---- chat completions ----------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -479,52 +525,54 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         params = srv.sampling_params(req, max_tokens, top_n if req.logprobs else None)
         messages, agp, kwargs = req.messages, req.add_generation_prompt, req.chat_template_kwargs
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs), params,
-                               max_tokens is None)
+        streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs), params,
+                                max_tokens is None)
         created = int(time.time())
 
         if not req.stream:
-            final = await srv.collect(stream, request)
-            comp = final.outputs[0]
-            lp = chat_logprobs(comp.token_ids, comp.logprobs or [], top_n, srv.decode_token) if req.logprobs else None
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
-                                 "logprobs": lp, "finish_reason": comp.finish_reason,
-                                 "stop_reason": comp.stop_reason}],
-                    "usage": usage(len(final.prompt_token_ids), len(comp.token_ids)), "system_fingerprint": None}
+            finals = await srv.collect(streams, request)
+            choices = []
+            for i, final in enumerate(finals):
+                comp = final.outputs[0]
+                lp = (chat_logprobs(comp.token_ids, comp.logprobs or [], top_n, srv.decode_token)
+                      if req.logprobs else None)
+                choices.append({"index": i, "message": {"role": "assistant", "content": comp.text}, "logprobs": lp,
+                                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                    "usage": _usage_of(finals), "system_fingerprint": None}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         hold = _held_back(params)
 
-        def chunk(delta: dict, finish_reason=None, lp=None) -> str:
+        def chunk(index: int, delta: dict, finish_reason=None, lp=None) -> str:
             c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
+                 "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
             if include_usage:
                 c["usage"] = None
             return _sse(c)
 
-        async def body(stream: RequestStream):
-            yield chunk({"role": "assistant", "content": ""})
-            sent_text = sent_tok = 0
-            final = None
-            async for out in stream:
-                comp = out.outputs[0]
-                delta, sent_text = _stream_delta(comp.text, out.finished, sent_text, hold)
+        async def body(streams: list[RequestStream]):
+            for i in range(len(streams)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            sent = [_Sent() for _ in streams]
+            finals = [None] * len(streams)
+            async for i, out in merge_streams(streams):
+                comp, st = out.outputs[0], sent[i]
+                delta, st.text = _stream_delta(comp.text, out.finished, st.text, hold)
                 lp = None
-                if req.logprobs and len(comp.token_ids) > sent_tok:
-                    lp = chat_logprobs(comp.token_ids[sent_tok:], (comp.logprobs or [])[sent_tok:], top_n,
+                if req.logprobs and len(comp.token_ids) > st.tokens:
+                    lp = chat_logprobs(comp.token_ids[st.tokens:], (comp.logprobs or [])[st.tokens:], top_n,
                                        srv.decode_token)
-                sent_tok = len(comp.token_ids)
+                st.tokens = len(comp.token_ids)
                 if delta or lp is not None or out.finished:
-                    yield chunk({"content": delta} if delta else {},
-                                comp.finish_reason if out.finished else None, lp)
-                final = out
-            if include_usage and final is not None:
+                    yield chunk(i, {"content": delta} if delta else {}, comp.finish_reason if out.finished else None,
+                                lp)
+                finals[i] = out
+            if include_usage and all(f is not None for f in finals):
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage(len(final.prompt_token_ids),
-                                                          len(final.outputs[0].token_ids))})
+                            "choices": [], "usage": _usage_of(finals)})
             yield "data: [DONE]\n\n"
 
-        return _stream_with_abort(srv, stream, body)
+        return _stream_with_abort(srv, streams, body)
 
     return app

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from longflash.engine.llm_engine import LLMEngine
 from longflash.outputs import RequestOutput
@@ -67,6 +67,40 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         return await self.get()
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(i, output)`` of the streams as outputs arrive, until every stream has finished (the choices
+    of a request with n > 1). Raises the first EngineRequestError of any stream; the other streams
+    are left as they are (the caller aborts them)."""
+    if len(streams) == 1:  # no tasks for the common case
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue_: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue_.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 — handed to the reader
+            queue_.put_nowait((i, e))
+        queue_.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            i, item = await queue_.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class AsyncEngine:

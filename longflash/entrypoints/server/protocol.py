@@ -38,6 +38,11 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    best_of: int | None = None  # rejected unless equal to n (vLLM V1 dropped it)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     user: str | None = None
 
 

@@ -87,7 +87,8 @@ def test_received_cuda_tensors_land_on_the_receivers_gpu():
 def _ctx() -> ForwardContext:
     t = torch.arange(6)
     return ForwardContext(positions=t, slot_mapping=t + 10, query_start_loc=torch.tensor([0, 2, 6], dtype=torch.int32),
-                          seq_lens=torch.tensor([2, 4], dtype=torch.int32), context_lens=torch.zeros(2, dtype=torch.int32),
+                          seq_lens=torch.tensor([2, 4], dtype=torch.int32),
+                          context_lens=torch.zeros(2, dtype=torch.int32),
                           block_table=torch.tensor([[0], [1]], dtype=torch.int32), is_decode=[False, False],
                           query_start_loc_cpu=[0, 2, 6], seq_lens_cpu=[2, 4], context_lens_cpu=[0, 0], block_size=4,
                           extras={"all_logits": True, "w": torch.randn(3, dtype=torch.bfloat16)})

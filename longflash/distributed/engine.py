@@ -10,8 +10,8 @@ Single host: rank 0 (the process that builds the engine) starts ranks 1..N-1 its
 on ``--master-port`` or a free port; rank r takes ``cuda:r``. Multi-host: launch every rank with torchrun, e.g.
 ``torchrun --nnodes 2 --nproc-per-node 2 --node-rank K --master-addr HOST0 --master-port 29500 -m
 longflash.entrypoints.cli generate -tp 4 -dcp 4 ...``; the engine reads ``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK`` for the GPU) and, on every rank but 0, turns into a worker that exits when rank 0
-shuts down (see ``docs/dcp.md``).
+``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK`` for the GPU) and, on every rank but 0, turns
+into a worker that exits when rank 0 shuts down (see ``docs/dcp.md``).
 """
 
 from __future__ import annotations

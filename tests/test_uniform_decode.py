@@ -181,3 +181,27 @@ def test_uniform_forwards_never_read_device_values(monkeypatch):
             runner._forward(runner._context(4, q, runner.capacity, seq_lens + [q], ctx_lens + [0]), engine.proposer)
             drafter._forward(4, drafter.capacity)
     assert q == 8 and reads.hits == []
+
+
+def test_chained_drafts_equal_fresh_proposals():
+    """A uniform verify step also drafts the next block on the device (greedy acceptance assumed):
+    when the engine takes those drafts, they equal what the proposer drafts afresh from the same
+    state, and greedy output still equals the engine without speculative decoding."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(speculative_config="off", **KW).generate(PROMPTS, params)]
+    llm = LLM(**KW)
+    engine = llm.engine
+    engine.enable_uniform_decode(cuda_graphs=False)
+    engine.runner.decode_runner.pad_like_graph = engine.proposer.uniform.pad_like_graph = True
+    taken = []
+    use = engine._use_chained_drafts
+
+    def checking_use(seq, n):
+        ok = use(seq, n)
+        if ok:
+            fresh = engine.proposer.propose([(seq.token_ids[-1], seq.num_computed_tokens, n, seq.block_table)])[0]
+            taken.append(fresh == seq.spec_token_ids)
+        return ok
+    engine._use_chained_drafts = checking_use
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == ref
+    assert len(taken) >= 6 and all(taken)

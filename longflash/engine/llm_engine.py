@@ -554,15 +554,21 @@ class LLMEngine:
             self._capture_graphs()
         drafting = [s for s in sched.scheduled if s.num_lookahead_tokens]
         if drafting:
+            drafting = [s for s in drafting if not self._use_chained_drafts(s.seq, s.num_lookahead_tokens)]
+        if drafting:
             drafts = self.runner.propose(self.proposer, [(s.seq.token_ids[-1], s.seq.num_computed_tokens,
                                                           s.num_lookahead_tokens, s.seq.block_table) for s in drafting])
             for s, d in zip(drafting, drafts):
                 s.seq.spec_token_ids = d
         res = self.runner.execute(sched, proposer=self.proposer)
+        if res.chain is not None:
+            for s, nxt in zip(sched.scheduled, res.chain.next_drafts):
+                s.seq.chained_drafts = nxt
         # NOTE: the step's only device -> host sync on the decode path: every row's argmax at once
         # (greedy requests), instead of one read per sampled token.
-        greedy = (res.logits.argmax(dim=-1).tolist()
-                  if any(self._plain_greedy(s.seq) for s in sched.scheduled) and res.logits.shape[0] else None)
+        greedy = res.chain.greedy_ids if res.chain is not None else (
+            res.logits.argmax(dim=-1).tolist()
+            if any(self._plain_greedy(s.seq) for s in sched.scheduled) and res.logits.shape[0] else None)
         outputs = []
         now = time.time()
         for i, s in enumerate(sched.scheduled):
@@ -607,6 +613,17 @@ class LLMEngine:
         if self.proposer is not None:
             self.runner.flush_draft_context(self.proposer, res)
         return outputs
+
+    @staticmethod
+    def _use_chained_drafts(seq: Sequence, num_drafts: int) -> bool:
+        """Take the drafts the previous (chained) step computed on the device for ``seq`` when it
+        committed what that step assumed (the same next position and pending token: the drafter's
+        context and block input are then exactly those of a fresh proposal). Returns True if taken."""
+        c, seq.chained_drafts = seq.chained_drafts, None
+        if c is None or c[0] != seq.num_computed_tokens or c[1] != seq.token_ids[-1] or len(c[2]) < num_drafts:
+            return False
+        seq.spec_token_ids = c[2][:num_drafts]
+        return True
 
     def _sample_and_verify(self, seq: Sequence, logits: torch.Tensor, num_drafts: int,
                            greedy_ids: list[int] | None = None) -> list[int]:

@@ -51,6 +51,9 @@ class Sequence:
         self.num_preemptions = 0
         # Draft tokens proposed for this step's verify (speculative decoding), else empty.
         self.spec_token_ids: list[int] = []
+        # Drafts computed on the device by a chained verify step for the next step:
+        # (expected num_computed_tokens, expected pending token, drafts) — see LLMEngine.step.
+        self.chained_drafts: tuple[int, int, list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -103,7 +103,7 @@ class DecodeGraphRunner:
             "slot_mapping": (torch.int64, (max_t,)), "query_start_loc": (torch.int32, (max_b + 1,)),
             "seq_lens": (torch.int32, (max_b,)), "context_lens": (torch.int32, (max_b,)),
             "block_table": (torch.int32, (max_b, self.max_blocks))}, device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (q, bucket) -> (graph, logits, aux, packed)
         self.proposer = None
         self.capture_time_s = 0.0
         # Run eager steps exactly as a graph would (bucket padding, capacity bound): for tests.
@@ -171,11 +171,15 @@ class DecodeGraphRunner:
             block_size=self.block_size, logits_indices=None, uniform_decode=True, max_query_len=q,
             max_seq_len=max_seq_len)
 
-    def _forward(self, ctx: ForwardContext, proposer):
-        """logits [T, vocab] fp32 of every row, and the drafter's fc outputs [T, H] with a proposer."""
+    def _forward(self, ctx: ForwardContext, proposer, draft_bound: int = 0):
+        """logits [T, vocab] fp32 of every row; with a proposer, the drafter's fc outputs [T, H] and,
+        when it drafts on persistent inputs (``proposer.uniform``), the chained step's packed result
+        (:meth:`DraftGraphRunner.draft_after_verify`: every row's argmax, the greedy acceptance and the
+        next drafts), after writing the draft-pool context of every row. ``draft_bound``: host bound
+        of the next context lengths (0: the largest seq_len of ``ctx``)."""
         T = ctx.query_start_loc_cpu[-1]
         input_ids = self.inputs.dev["input_ids"][:T]
-        aux = None
+        aux = packed = None
         with set_forward_context(ctx):
             if proposer is not None:
                 with proposer.capture(T) as holder:
@@ -184,7 +188,15 @@ class DecodeGraphRunner:
             else:
                 hidden = self.model(input_ids)
             logits = self.model.compute_logits(hidden)
-        return logits, aux
+        if proposer is not None and proposer.uniform is not None:
+            # NOTE: every row's draft context is written, the rejected drafts' too: the next step's
+            # context length masks them and its verify rewrites those positions first (as the target
+            # cache's rejected rows), so no block is shared with a stale row (prefix caching hashes
+            # committed tokens only).
+            proposer.write_context(aux, ctx.positions, ctx.slot_mapping)
+            packed = proposer.uniform.draft_after_verify(input_ids, logits, ctx.max_query_len, ctx.context_lens,
+                                                         ctx.block_table, draft_bound or max(ctx.seq_lens_cpu))
+        return logits, aux, packed
 
     # ---- graphs -----------------------------------------------------------------------------------
     def capture(self, proposer=None) -> None:
@@ -198,8 +210,8 @@ class DecodeGraphRunner:
         for q, b in keys:
             self._fill([], q, b)
             ctx = self._context(b, q, self.capacity, [q] * b, [0] * b)
-            graph, (logits, aux) = self.capturer.capture(lambda: self._forward(ctx, proposer))
-            self.graphs[(q, b)] = (graph, logits, aux)
+            graph, outs = self.capturer.capture(lambda: self._forward(ctx, proposer, self.capacity))
+            self.graphs[(q, b)] = (graph, *outs)
         torch.cuda.synchronize(self.device)
         self.capture_time_s = time.perf_counter() - t0
         logger.info("CUDA graphs: %d decode/verify graphs (query lengths %s, batch buckets %s) captured in %.2f s",
@@ -212,7 +224,10 @@ class DecodeGraphRunner:
     # ---- a step -----------------------------------------------------------------------------------
     def run(self, sched, q: int, proposer=None):
         """Run a uniform step (``query_len(sched) == q``). Returns (logits [B*q, vocab] fp32, spans,
-        context, aux [B*q, H] or None), logits row = token row; spans as ``ModelRunner.prepare``."""
+        context, aux [B*q, H] or None, chain or None), logits row = token row; spans as
+        ``ModelRunner.prepare``. ``chain`` (with a proposer drafting on persistent inputs): the step's
+        :class:`ChainedStep` (every row's argmax and, per request, the next drafts under greedy
+        acceptance), read from the device in one copy."""
         scheduled = sched.scheduled
         B = len(scheduled)
         graph = self.graphs.get((q, self._bucket(B))) if self.graphs else None
@@ -223,17 +238,42 @@ class DecodeGraphRunner:
         seq_lens, ctx_lens = self._fill(scheduled, q, rows)
         ctx = self._context(B, q, max(seq_lens), seq_lens, ctx_lens)
         if graph is not None:
-            g, logits, aux = graph
+            g, logits, aux, packed = graph
             g.replay()
         elif padded:
             pad = rows - B
-            logits, aux = self._forward(self._context(rows, q, self.capacity, seq_lens + [q] * pad,
-                                                      ctx_lens + [0] * pad), proposer)
+            logits, aux, packed = self._forward(self._context(rows, q, self.capacity, seq_lens + [q] * pad,
+                                                              ctx_lens + [0] * pad), proposer, self.capacity)
         else:
-            logits, aux = self._forward(ctx, proposer)
+            logits, aux, packed = self._forward(ctx, proposer)
         T = B * q
         spans = []
         for i, s in enumerate(scheduled):
             done = s.num_lookahead_tokens or s.seq.num_computed_tokens + 1 == len(s.seq.token_ids)
             spans.append((i * q, q if done else 0))
-        return logits[:T], spans, ctx, (aux[:T] if aux is not None else None)
+        chain = ChainedStep.read(packed, B, rows, q, proposer.block_size - 1) if packed is not None else None
+        return logits[:T], spans, ctx, (aux[:T] if aux is not None else None), chain
+
+
+class ChainedStep:
+    """Host copy of a chained verify step's packed result (``DraftGraphRunner.draft_after_verify``)
+    for the B real requests of a batch padded to ``rows``.
+
+    Attributes:
+        greedy_ids: [B·q] argmax token of every row (the sampler's greedy choice, read once).
+        next_drafts: per request (expected position of the next pending token, expected pending
+            token, drafts [Bk - 1]); valid for the next step only if the request committed exactly
+            the greedy tokens (``LLMEngine`` checks both expectations before using the drafts).
+    """
+
+    def __init__(self, greedy_ids: list[int], next_drafts: list[tuple[int, int, list[int]]]):
+        self.greedy_ids = greedy_ids
+        self.next_drafts = next_drafts
+
+    @classmethod
+    def read(cls, packed: torch.Tensor, B: int, rows: int, q: int, num_drafts: int) -> "ChainedStep":
+        v = packed.tolist()  # NOTE: the step's one device -> host sync
+        tokens, o = v[:B * q], rows * q
+        accepted, start, drafts = v[o:o + B], v[o + rows:o + rows + B], v[o + 2 * rows:]
+        nxt = [(start[i], tokens[i * q + accepted[i]], drafts[i * num_drafts:(i + 1) * num_drafts]) for i in range(B)]
+        return cls(tokens, nxt)

@@ -19,12 +19,15 @@ logger = logging.getLogger("longflash")
 @dataclass
 class StepResult:
     """logits [N, vocab] fp32; spans[i] = (first row, rows) of scheduled sequence i; the forward
-    context (positions, slot_mapping of every token); aux taps [T, K·H] or None."""
+    context (positions, slot_mapping of every token); aux taps [T, K·H] or None; ``chain``: a chained
+    DFlash step's host results (``runner.cuda_graph.ChainedStep``: every row's argmax and the next
+    drafts; the draft context of every row is then already written) or None."""
 
     logits: torch.Tensor
     spans: list[tuple[int, int]]
     ctx: ForwardContext
     aux: torch.Tensor | None = None
+    chain: object | None = None
 
 
 class ModelRunner:
@@ -148,7 +151,10 @@ class ModelRunner:
         """Write the draft-pool context K/V of rows ``[first_row, first_row + num_rows)`` of the
         forward ``res`` (committed tokens of one request) from its ``aux`` (fc outputs). With uniform
         decode enabled (the CUDA path) the rows are collected and written by one call in
-        :meth:`flush_draft_context` (one write instead of one per request)."""
+        :meth:`flush_draft_context` (one write instead of one per request). A chained step (``res.chain``)
+        wrote every row's context inside its forward: nothing to do."""
+        if res.chain is not None:
+            return
         if self.decode_runner is not None:
             self._draft_rows.append((first_row, num_rows))
             return

@@ -70,15 +70,57 @@ class DraftGraphRunner:
 
     def _forward(self, rows: int, max_context_len: int) -> torch.Tensor:
         """Draft tokens [rows, n] int64 (argmax of the target's LM head over draft slots 1..n)."""
+        d = self.inputs.dev
+        bk = self.num_drafts + 1
+        return self.block_forward(d["input_ids"][:rows * bk], d["positions"][:rows * bk], d["context_lens"][:rows],
+                                  d["block_table"][:rows], max_context_len)
+
+    def block_forward(self, ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                      block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        """The drafter's block forward from device tensors (no host sync): ids / positions [R·Bk] int64
+        (blocks ``[pending, MASK x (Bk - 1)]`` at positions s..s+Bk-1), context_lens [R] (= s),
+        block_table [R, max_blocks] int32, ``max_context_len`` a host bound of context_lens. Returns the
+        draft tokens [R, Bk - 1] int64 (argmax of the target's LM head over slots 1..Bk-1)."""
         p = self.proposer
-        bk, d = self.num_drafts + 1, self.inputs.dev
-        ids = d["input_ids"][:rows * bk]
+        bk = self.num_drafts + 1
+        rows = context_lens.shape[0]
         embeds = p.drafter.embed_block(p.target.model.embed_tokens, ids).to(p.drafter.fc.weight.dtype)
-        hidden = p.drafter.forward_padded(embeds, d["positions"][:rows * bk], d["context_lens"][:rows],
-                                          d["block_table"][:rows], max_context_len)
+        hidden = p.drafter.forward_padded(embeds, positions, context_lens, block_table, max_context_len)
         slots = hidden.view(rows, bk, -1)[:, 1:].reshape(rows * self.num_drafts, -1)
         logits = p.target.compute_logits(slots.to(p.target.lm_head.weight.dtype))
         return torch.argmax(logits, dim=-1).view(rows, self.num_drafts)
+
+    def draft_after_verify(self, input_ids: torch.Tensor, logits: torch.Tensor, q: int, context_lens: torch.Tensor,
+                           block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        """The next step's drafts, computed on the device right after a uniform verify (or decode) step
+        of R requests with q query tokens each, assuming every request commits its greedy tokens.
+
+        input_ids [R·q] (pending token then the q - 1 drafts of each request), logits [R·q, vocab] of
+        those rows, context_lens [R] (position of each pending token), block_table [R, max_blocks]; the
+        draft pool already holds the context K/V of all R·q rows (written by the same step: rows past a
+        request's committed length are masked by the next context length and rewritten by the next
+        verify before they are read as context). Greedy acceptance (``shared/specs/dflash.md`` §4):
+        a = the length of the longest prefix of drafts equal to the target's argmax, bonus = the
+        argmax after them; the next block is ``[bonus, MASK x (Bk - 1)]`` at position s + a + 1 with
+        context s + a + 1. Returns one int64 vector [R·q + 2R + R·(Bk - 1)]: the argmax tokens of
+        every row, a, s + a + 1, and the drafts (read by the host in one copy; the engine uses the
+        drafts only when what it committed equals this assumption)."""
+        R = context_lens.shape[0]
+        tokens = torch.argmax(logits, dim=-1).view(R, q)
+        if q > 1:
+            match = tokens[:, :-1] == input_ids.view(R, q)[:, 1:]
+            accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        else:
+            accepted = torch.zeros(R, dtype=torch.int64, device=tokens.device)
+        bonus = tokens.gather(1, accepted[:, None])[:, 0]
+        start = context_lens.to(torch.int64) + accepted + 1
+        bk = self.num_drafts + 1
+        ids = torch.full((R, bk), self.proposer.mask_token_id, dtype=torch.int64, device=tokens.device)
+        ids[:, 0] = bonus
+        positions = start[:, None] + torch.arange(bk, device=tokens.device)[None, :]
+        drafts = self.block_forward(ids.view(-1), positions.view(-1), start.to(torch.int32), block_table,
+                                    max_context_len)
+        return torch.cat([tokens.view(-1), accepted, start, drafts.view(-1)])
 
     def capture(self) -> None:
         """Capture one graph per batch bucket, largest first, into the shared pool."""

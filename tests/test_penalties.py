@@ -133,3 +133,39 @@ def test_min_tokens_masks_stop_token_ids(default_pair):
     outs = [llm.generate(prompt, params)[0].outputs[0] for llm in (base, spec)]
     assert outs[0].token_ids == outs[1].token_ids
     assert len(outs[0].token_ids) >= 8 and stop not in outs[0].token_ids[:8]
+
+
+# ---- GPU only: real vocabulary width, CUDA graphs ----------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+def test_gpu_process_logits_equals_cpu_at_kimi_vocab():
+    g = torch.Generator().manual_seed(1)
+    vocab, rows = 163840, 8
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    prompt = torch.randint(0, vocab, (4096,), generator=g).tolist()
+    output = torch.randint(0, vocab, (700,), generator=g).tolist()
+    drafts = torch.randint(0, vocab, (rows - 1,), generator=g).tolist()
+    params = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, min_tokens=703,
+                            stop_token_ids=[5, 7], max_tokens=1000)
+    cpu = process_logits(logits, params, prompt, output, drafts, {163585})
+    dev = process_logits(logits.cuda(), params, prompt, output, drafts, {163585})
+    torch.testing.assert_close(dev.cpu(), cpu, rtol=1e-6, atol=1e-6)
+    assert torch.isinf(dev[:3, [5, 7, 163585]]).all() and torch.isfinite(dev[3:, [5, 7, 163585]]).all()
+
+
+@gpu
+def test_gpu_penalized_greedy_with_graphs_equals_eager_padded_engine():
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=96, block_size=4, device="cuda", kv_cache_memory="1GiB")
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, repetition_penalty=1.5,
+                            frequency_penalty=0.3, min_tokens=10)
+    graphs = LLM(**kw)
+    eager = LLM(enforce_eager=True, **kw)
+    eager.engine.runner.decode_runner.pad_like_graph = True
+    eager.engine.proposer.uniform.pad_like_graph = True
+    a = graphs.generate(PROMPTS, params)
+    b = eager.generate(PROMPTS, params)
+    assert _ids(a) == _ids(b)
+    assert _ids(a) != _ids(graphs.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)))
+    assert min(o.metrics.mean_acceptance_length for o in a) > 1.0

@@ -205,7 +205,7 @@ class MLAAttention(nn.Module):
         for b in reqs:
             s, e = qsl[b], qsl[b + 1]
             k, v = self._up_project(kv_c[s:e], k_pe[s:e])
-            run_out[b], run_lse[b] = ops.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=0)
+            run_out[b], run_lse[b] = kernels.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=0)
         ctx_lens = [ctx.context_lens_cpu[b] for b in reqs]
         ps = get_parallel_state()
         bs = self.kv_cache.shape[1]
@@ -237,7 +237,8 @@ class MLAAttention(nn.Module):
             for seg, (r0, r1) in zip(chunk.segments, spans):
                 b = reqs[seg.req]
                 s, e = qsl[b], qsl[b + 1]
-                o, lse = ops.attention_with_lse(q[s:e], k_all[r0:r1], v_all[r0:r1], self.scale, causal_offset=None)
+                o, lse = kernels.attention_with_lse(q[s:e], k_all[r0:r1], v_all[r0:r1], self.scale,
+                                                   causal_offset=None)
                 run_out[b], run_lse[b] = kernels.merge_attn_states(o, lse, run_out[b], run_lse[b])
             del rows, k_all, v_all
         for b in reqs:
@@ -263,8 +264,9 @@ def decode_op(cache: torch.Tensor):
 
 
 def cache_ops(cache: torch.Tensor):
-    """The module implementing the cache write / gather / merge ops for ``cache``'s device: the
-    Triton kernels on a GPU, the PyTorch references elsewhere (same signatures)."""
+    """The module implementing the cache write / gather / merge ops and the prefill's dense attention
+    for ``cache``'s device: the Triton kernels on a GPU (the attention: the in-place PyTorch form),
+    the PyTorch references elsewhere (same signatures)."""
     if cache.is_cuda:
         from longflash.attention import triton_ops
         return triton_ops

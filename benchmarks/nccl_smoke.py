@@ -259,7 +259,7 @@ def main() -> int:
     res = {"benchmark": "nccl_smoke", "commit": commit or "unknown", "command": " ".join(sys.argv),
            "host": platform.node(), "torch": torch.__version__, "device": str(dev), "gpus_visible": ngpu,
            "gpu_names": [torch.cuda.get_device_name(i) for i in range(ngpu)],
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ngpu else None, "checks": {}}
+           "nccl": _nccl_version() if ngpu else None, "checks": {}}
     checks = res["checks"]
 
     def attempt(name, need_ranks, fn, est_s):
@@ -297,6 +297,12 @@ def main() -> int:
     print(f"{sum(bool(c.get('passed')) for c in ran)}/{len(ran)} checks that ran passed; "
           f"{len(checks) - len(ran)} skipped; {res['seconds']} s")
     return 0 if ran and all(c.get("passed") for c in ran) else 1
+
+
+def _nccl_version() -> str:
+    import torch
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def _fmt(v):

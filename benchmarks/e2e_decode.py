@@ -1,6 +1,6 @@
 """Benchmark 2: end-to-end decode of a DeepSeek-V3-architecture model with random weights.
 
-Usage: ``python3 benchmarks/e2e_decode.py --out DIR`` (one H200 call, <= ``--budget-s`` 230 s; ``--tiny``
+Usage: ``python3 benchmarks/e2e_decode.py --out DIR`` (one H200 call, <= ``--budget-s`` 220 s; ``--tiny``
 or no GPU: a tiny config on the CPU, to check the script in a few seconds).
 
 1. Ceilings measured in the same run: device copy bandwidth (1 GiB, read + write) and the bf16 GEMM rate.
@@ -306,7 +306,7 @@ def report(res: dict, batches: list[int]) -> str:
             lines.append(f"\nHF experts {impl}: {v.get('error') or v.get('skipped')}")
     for b in batches:
         g, e = res.get("longflash", {}).get(str(b)), res.get("longflash_eager", {}).get(str(b))
-        if g and e:
+        if g and e and res["device"] != "cpu":
             lines.append(f"\nCUDA graphs vs eager at batch {b}: {g['decode_tok_s'] / e['decode_tok_s']:.2f}x")
         if g and "greedy_vs_hf" in g:
             c = g["greedy_vs_hf"]
@@ -318,7 +318,8 @@ def report(res: dict, batches: list[int]) -> str:
             prof = res.get(key, {}).get(str(b), {}).get("profile")
             if prof and "error" not in prof:
                 lines.append(f"\n{key} batch {b}: {prof['kernels_per_step']:.0f} kernels per decode step, "
-                             f"{prof['kernel_ms_per_step']:.3f} ms of kernel time in {prof['wall_ms_per_step']:.3f} ms; top: "
+                             f"{prof['kernel_ms_per_step']:.3f} ms of kernel time in {prof['wall_ms_per_step']:.3f} ms; "
+                             "top: "
                              + "; ".join(f"{t['kernel'][:40]} x{t['per_step']:.0f} {t['us_per_step']:.0f} us"
                                          for t in prof["top"][:5]))
     return "\n".join(lines)
@@ -332,7 +333,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--hf-new-tokens", type=int, default=16)
-    ap.add_argument("--budget-s", type=float, default=230.0,
+    ap.add_argument("--budget-s", type=float, default=220.0,
                     help="wall-clock target: later HF experts implementations, the eager run and the kernel "
                          "profiles are skipped when they would not fit")
     ap.add_argument("--skip-eager", action="store_true", help="do not run longflash --enforce-eager")

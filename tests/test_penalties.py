@@ -135,6 +135,20 @@ def test_min_tokens_masks_stop_token_ids(default_pair):
     assert len(outs[0].token_ids) >= 8 and stop not in outs[0].token_ids[:8]
 
 
+def test_penalties_on_chained_uniform_steps(default_pair):
+    """Uniform (chained) verify steps read every row's plain argmax from the device and draft the next
+    block assuming it; a request with penalties or min_tokens must still take its processed argmax."""
+    base, _ = default_pair
+    chained = LLM(max_num_seqs=8, max_num_batched_tokens=96, block_size=4)
+    chained.engine.enable_uniform_decode(cuda_graphs=False)
+    greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [SamplingParams(presence_penalty=1.0, **greedy), SamplingParams(**greedy),
+              SamplingParams(min_tokens=30, stop_token_ids=[15], **greedy)]
+    outs = chained.generate(PROMPTS, params)
+    assert _ids(outs) == _ids(base.generate(PROMPTS, params))
+    assert chained.engine.stats.spec_num_accepted_tokens > 0
+
+
 # ---- GPU only: real vocabulary width, CUDA graphs ----------------------------------------------------
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -118,7 +118,57 @@ def build_checkpoint(cfg: dict, dev: torch.device, dtype: torch.dtype, path: str
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.rand(buf.shape, generator=g, device=dev) * 0.5)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="4GB")
+    n = per_expert_checkpoint(path)
+    if n:
+        log(f"save_pretrained wrote {n} fused expert tensors: rewritten per expert")
     return model
+
+
+def per_expert_checkpoint(path: str) -> int:
+    """Rewrite fused routed-expert tensors in the safetensors files of ``path`` as DeepSeek-V3's
+    per-expert tensors (what vLLM and longflash read); returns the number of fused tensors rewritten.
+
+    transformers 5.x keeps a layer's routed experts fused in memory (``mlp.experts.gate_up_proj``
+    [E, 2I, H], gate rows first, and ``mlp.experts.down_proj`` [E, H, I]); ``save_pretrained`` of the
+    versions checked here (5.24) already writes ``mlp.experts.{e}.{gate,up,down}_proj.weight``, so this
+    is a no-op there; it guards a version that saves the fused layout."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    rewritten = 0
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        f = os.path.join(path, name)
+        with safe_open(f, "pt") as st:
+            metadata = st.metadata()
+            fused = [k for k in st.keys() if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+        if not fused:
+            continue
+        tensors = load_file(f)
+        for k in fused:
+            w, prefix = tensors.pop(k), k.rsplit(".", 1)[0]
+            for e in range(w.shape[0]):
+                if k.endswith("gate_up_proj"):
+                    gate, up = w[e].chunk(2, dim=0)
+                    tensors[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                    tensors[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+                else:
+                    tensors[f"{prefix}.{e}.down_proj.weight"] = w[e].contiguous()
+            rewritten += 1
+        save_file(tensors, f, metadata=metadata)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if rewritten and os.path.isfile(index):  # sharded: the weight map names the new tensors
+        with open(index) as fh:
+            idx = json.load(fh)
+        wm = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), "pt") as st:
+                    wm.update({k: name for k in st.keys()})
+        idx["weight_map"] = wm
+        with open(index, "w") as fh:
+            json.dump(idx, fh, indent=2)
+    return rewritten
 
 
 def hf_decode(model, prompts: torch.Tensor, new_tokens: int, dev: torch.device) -> dict:

@@ -20,6 +20,7 @@ from longflash.attention import ops
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding
+from longflash.spec_decode.dflash_attention import block_attention_op
 from longflash.spec_decode.dflash_config import DFlashConfig
 
 
@@ -88,38 +89,27 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.reshape(N, -1))
 
     def forward_padded(self, x: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
-                       block_table: torch.Tensor, max_context_len: int,
-                       max_rows: int = ops.DECODE_PIECE_ROWS) -> torch.Tensor:
+                       block_table: torch.Tensor, max_context_len: int, max_rows: int = ops.DECODE_PIECE_ROWS,
+                       cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """:meth:`forward` for R requests of one block length Bk, from device tensors only (no host
         sync; what a CUDA graph captures).
 
         x [R·Bk, H], positions [R·Bk]; context_lens [R] int32 (device); block_table [R, max_blocks];
-        ``max_context_len``: a host bound of context_lens (under a graph: the cache capacity). The
-        context is gathered padded in pieces of at most ``max_rows`` rows, masked to each request's
-        ``[lo, context_len)`` (lo = context_len - window for a sliding-window layer, else 0), and merged
-        by LSE with the block's own non-causal part. Returns [R·Bk, H].
+        ``max_context_len``: a host bound of context_lens (under a graph: the cache capacity);
+        ``cos_sin``: rotary table of ``positions`` (computed if None). The attention over each
+        request's ``[lo, context_len)`` context rows (lo = context_len - window for a sliding-window
+        layer, else 0) and its own block is :func:`~longflash.spec_decode.dflash_attention.dflash_block_attention`:
+        the Triton kernel on a GPU (work O(real context)), the PyTorch reference elsewhere (context
+        gathered padded in pieces of at most ``max_rows`` rows). Returns [R·Bk, H].
         """
         N = x.shape[0]
-        R = context_lens.numel()
-        G, hd = self.num_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(N, self.num_heads, hd))
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        qg = self.rotary.rotate(q, cos, sin).view(R, N // R, G, self.num_heads // G, hd).float()
-        k_blk, v_blk = self.kv(x, positions)
-        out, lse = _grouped_attention(qg, k_blk.view(R, -1, G, hd), v_blk.view(R, -1, G, hd), None, self.scale)
-        ctx_len = context_lens.long()
-        lo = (ctx_len - self.window).clamp(min=0) if self.window is not None else torch.zeros_like(ctx_len)
-        bs = self.kv_cache.shape[2]
-        L = min(max_context_len, block_table.shape[1] * bs)
-        step = max(bs, max_rows // bs * bs)
-        for start in range(0, L, step):
-            n = min(step, L - start)
-            k = ops.gather_padded_rows(self.kv_cache[0], block_table, start, n, x.dtype, None)
-            v = ops.gather_padded_rows(self.kv_cache[1], block_table, start, n, x.dtype, None)
-            pos = torch.arange(start, start + n, device=x.device)[None, :]
-            o, l = _grouped_attention(qg, k, v, (pos >= lo[:, None]) & (pos < ctx_len[:, None]), self.scale)
-            out, lse = ops.merge_attn_states(out, lse, o, l)
-        return self.o_proj(out.to(x.dtype).reshape(N, -1))
+        q = self.q_norm(self.q_proj(x).view(N, self.num_heads, self.head_dim))
+        cos, sin = cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, x.dtype)
+        q = self.rotary.rotate(q, cos, sin)
+        k_blk, v_blk = self.kv(x, positions, (cos, sin))
+        out, _ = block_attention_op(q)(q, k_blk, v_blk, self.kv_cache[0], self.kv_cache[1], block_table, context_lens,
+                                       self.scale, self.window, max_context_len, max_rows)
+        return self.o_proj(out.reshape(N, -1))
 
 
 def _context_rows(table_row: torch.Tensor, lo: int, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -136,21 +126,6 @@ def _context_rows(table_row: torch.Tensor, lo: int, ctx_len: int, block_size: in
     if int(blocks.min()) < 0:
         raise ValueError("gather position maps to an unallocated block (-1)")
     return blocks * block_size + pos % block_size
-
-
-def _grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal attention of queries qg [R, Bk, G, rep, D] (fp32) over keys/values [R, n, G, D];
-    ``visible`` [R, n] bool or None (all). Returns out [R·Bk, G·rep, D] fp32 and lse [R·Bk, G·rep]
-    (-inf, output 0 for a query that sees no key)."""
-    R, Bk, G, rep, D = qg.shape
-    s = torch.einsum("bqgrd,bkgd->bgrqk", qg, k.float()) * scale
-    if visible is not None:
-        s = s.masked_fill(~visible[:, None, None, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1).permute(0, 3, 1, 2).reshape(R * Bk, G * rep)
-    probs = torch.softmax(s, dim=-1).nan_to_num(nan=0.0)
-    out = torch.einsum("bgrqk,bkgd->bqgrd", probs, v.float()).reshape(R * Bk, G * rep, -1)
-    return out, lse
 
 
 class DFlashLayer(nn.Module):
@@ -219,9 +194,11 @@ class DFlashDraftModel(nn.Module):
         """:meth:`forward` for requests of one block length from device tensors (no host sync; see
         ``DFlashAttention.forward_padded``): block_embeds [R·Bk, H], context_lens [R] -> [R·Bk, H]."""
         h = block_embeds
+        # Shared by every layer (one rotary module): computed once per forward, as in :meth:`forward`.
+        cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, h.dtype)
         for layer in self.layers:
             h = h + layer.self_attn.forward_padded(layer.input_layernorm(h), positions, context_lens, block_table,
-                                                   max_context_len)
+                                                   max_context_len, cos_sin=cos_sin)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

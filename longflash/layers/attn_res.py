@@ -5,6 +5,10 @@
 learned pseudo-query ``w`` (``*_res_proj``, Linear H→1) times the norm weight ``g`` (``*_res_norm``);
 values are the raw rows; fp32 scores, softmax and sum; no 1/sqrt(d). Source:
 ``shared/specs/attnres_kimi.md`` ("The mixer").
+
+``attn_res_mix_reference`` is the PyTorch definition (the CPU path and the test oracle);
+``attn_res_mix`` runs the one-launch Triton kernel (``attn_res_triton``) on CUDA tensors when no
+gradient is needed and ``out`` (if given) has the sources' dtype, else the reference.
 """
 
 from __future__ import annotations
@@ -14,7 +18,28 @@ import torch
 
 def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
                  eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Mix S source rows per token.
+    """Mix S source rows per token (arguments and result as :func:`attn_res_mix_reference`).
+
+    More than one CUDA source with contiguous rows (and ``out`` of their dtype) takes the fused kernel:
+    one launch instead of ~18; the fp32 summation order differs (a few fp32 ulps; at most one rounding
+    step in bf16). Raises ValueError on an empty source list, and (kernel path) on sources or weights
+    that do not match (``attn_res_mix_triton``)."""
+    if not sources:
+        raise ValueError("attn_res_mix needs at least one source")
+    x0 = sources[0]
+    if (len(sources) > 1 and x0.is_cuda and all(s.stride(-1) == 1 for s in sources)
+            and (out is None or (out.dtype == x0.dtype and out.stride(-1) == 1))):
+        needs_grad = torch.is_grad_enabled() and (any(s.requires_grad for s in sources) or norm_weight.requires_grad
+                                                  or proj_weight.requires_grad)
+        if not needs_grad:  # the kernel has no backward
+            from longflash.layers.attn_res_triton import attn_res_mix_triton
+            return attn_res_mix_triton(sources, norm_weight, proj_weight, eps, out=out)
+    return attn_res_mix_reference(sources, norm_weight, proj_weight, eps, out=out)
+
+
+def attn_res_mix_reference(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                           eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Mix S source rows per token (PyTorch definition, ~18 launches).
 
     Args:
         sources: S tensors [T, H] (committed bank slots in order, then the prefix), same dtype.
@@ -23,7 +48,11 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_we
         out: optional [T, H] buffer to write the result into.
     Returns:
         [T, H] in the sources' dtype. With one source the result is that source exactly.
+    Raises:
+        ValueError on an empty source list (mismatched shapes fail in ``torch.stack``).
     """
+    if not sources:
+        raise ValueError("attn_res_mix needs at least one source")
     if len(sources) == 1:
         return sources[0] if out is None else out.copy_(sources[0])
     q = proj_weight.float().reshape(-1) * norm_weight.float()

@@ -198,12 +198,13 @@ def hf_decode(model, prompts: torch.Tensor, new_tokens: int, dev: torch.device) 
 
 def hf_bench(model, prompts: dict[int, torch.Tensor], new_tokens: int, dev: torch.device, deadline: float) -> dict:
     """``hf_decode`` per experts implementation (those ``set_experts_implementation`` accepts, else the
-    model's default) and batch; an implementation is skipped once ``elapsed() > deadline``.
-    ``best``: per batch the fastest implementation."""
+    model's default) and batch; a failure (e.g. ``batched_mm``, which copies the chosen experts'
+    weights per token, runs out of memory on a 64 x 128-token prefill) is recorded for that pair only;
+    an implementation is skipped once ``elapsed() > deadline``. ``best``: per batch the fastest."""
     impls = ["default"]
     if hasattr(model, "set_experts_implementation"):
         impls = ["grouped_mm", "batched_mm", "eager"]
-    res = {}
+    res: dict[str, dict] = {}
     for impl in impls:
         if res and elapsed() > deadline:
             res[impl] = {"skipped": f"time budget (at {elapsed():.0f} s)"}
@@ -212,14 +213,19 @@ def hf_bench(model, prompts: dict[int, torch.Tensor], new_tokens: int, dev: torc
         try:
             if impl != "default":
                 model.set_experts_implementation(impl)
-            res[impl] = {}
-            for b, p in prompts.items():
-                res[impl][str(b)] = hf_decode(model, p, new_tokens, dev)
-                r = res[impl][str(b)]
-                log(f"HF {impl} batch {b}: {r['decode_tok_s']:.1f} tok/s, step {r['decode_step_ms']:.2f} ms")
         except Exception as e:  # noqa: BLE001 — an implementation this version lacks is recorded
             res[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             log(f"HF {impl}: {res[impl]['error']}")
+            continue
+        res[impl] = {}
+        for b, p in prompts.items():
+            try:
+                r = res[impl][str(b)] = hf_decode(model, p, new_tokens, dev)
+                log(f"HF {impl} batch {b}: {r['decode_tok_s']:.1f} tok/s, step {r['decode_step_ms']:.2f} ms")
+            except Exception as e:  # noqa: BLE001 — recorded; the other pairs still run
+                res[impl][f"error_batch_{b}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"HF {impl} batch {b}: {res[impl][f'error_batch_{b}']}")
+                _free(dev)
     best = {}
     for b in prompts:
         runs = [(v[str(b)]["decode_tok_s"], k) for k, v in res.items() if str(b) in v]
@@ -352,8 +358,9 @@ def report(res: dict, batches: list[int]) -> str:
             lines.append(f"| HF generate (static cache, eager, experts {best['experts_implementation']}) | {b} | "
                          f"{best['decode_tok_s']:.1f} | {1e3 * b / best['decode_tok_s']:.3f} | | | | 1.0x |")
     for impl, v in res.get("hf", {}).get("runs", {}).items():
-        if "error" in v or "skipped" in v:
-            lines.append(f"\nHF experts {impl}: {v.get('error') or v.get('skipped')}")
+        for key, msg in v.items():
+            if key.startswith("error") or key == "skipped":
+                lines.append(f"\nHF experts {impl} ({key}): {msg}")
     for b in batches:
         g, e = res.get("longflash", {}).get(str(b)), res.get("longflash_eager", {}).get(str(b))
         if g and e and res["device"] != "cpu":

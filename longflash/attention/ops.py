@@ -183,7 +183,7 @@ def attention_with_lse_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     H = q.shape[1]
     tq, tk = q.shape[0], k.shape[0]
     if tk == 0:
-        return q.new_zeros(tq, H, v.shape[-1]), torch.full((tq, H), float("-inf"), device=q.device)
+        return q.new_zeros(tq, H, v.shape[-1]), torch.full((tq, H), float("-inf"), dtype=torch.float32, device=q.device)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().expand(-1, H, -1))
     scores.mul_(scale)
     if causal_offset is not None:

@@ -268,7 +268,11 @@ def run(args, res: dict, dev: torch.device) -> None:
                 break
         res["completed"] = not aborted and len(tokens) == out_len
         res["memory_peak"] = _memory(dev)
-        if aborted:
+        if engine.failed_requests:  # the engine aborts a request whose step raised (e.g. out of memory)
+            err = engine.failed_requests[0][1]
+            res["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+            log(f"request failed: {res['error']}")
+        if aborted or not res["completed"]:
             return
         prefill_s = t_first - t_start
         res["prefill"] = {"tokens": N, "chunks": len(chunk_times), "time_s": prefill_s, "tok_s": N / prefill_s,
@@ -340,6 +344,8 @@ def report(res: dict) -> str:
     if e:
         lines.append(f"| estimate: attention | {e['causal_flops']:.3g} FLOP (causal), {e['score_elements']:.3g} fp32 "
                      f"score elements |")
+    if res.get("error"):
+        lines.append(f"\nerror: {res['error']}")
     lines.append(f"\nsettings: `{json.dumps(s)}`")
     return "\n".join(lines)
 

@@ -23,6 +23,8 @@ run() {
 run kv_cache_ops 90 python3 benchmarks/kv_cache_ops.py --out "$R"
 run mla_decode 150 python3 benchmarks/mla_decode.py --out "$R"
 run mla_decode_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla_decode.py
+run dflash_attention 70 python3 benchmarks/dflash_attention.py --out "$R" --budget-s 45
+run dflash_attention_tests 50 python3 -m pytest -q -p no:cacheprovider tests/test_dflash_attention.py -k "gpu and not sm90"
 run mxfp8_staged 120 python3 benchmarks/mxfp8_staged.py --out "$R"
 run mxfp4_moe 120 python3 benchmarks/mxfp4_moe.py --out "$R"
 run attn_res_harness 100 python3 benchmarks/attn_res_harness.py --out "$R"

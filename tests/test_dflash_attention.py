@@ -61,14 +61,14 @@ def make_case(ctx, Bk, kvh, rep, hd, bs, qdt, cdt, seed=0, device="cpu", spare_b
 def poison_invisible(kc, vc, bt, ctx, window, bound):
     """Copies of the pool planes with NaN in every row no query may see (outside each request's
     [lo, min(ctx, bound)) and in blocks no request owns)."""
-    keep = torch.zeros(kc.shape[:2], dtype=torch.bool, device=kc.device)
-    bs = kc.shape[1]
+    keep = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    bs, table = kc.shape[1], bt.cpu().long()
     for b, c in enumerate(ctx):
-        lo = 0 if window is None else max(0, c - window)
-        for p in range(lo, min(c, bound)):
-            keep[int(bt[b, p // bs]), p % bs] = True
+        pos = torch.arange(0 if window is None else max(0, c - window), min(c, bound))
+        keep[table[b, pos // bs], pos % bs] = True
+    keep = keep.to(kc.device)[:, :, None, None]
     nan = torch.tensor(float("nan"), dtype=kc.dtype, device=kc.device)
-    return torch.where(keep[:, :, None, None], kc, nan), torch.where(keep[:, :, None, None], vc, nan)
+    return torch.where(keep, kc, nan), torch.where(keep, vc, nan)
 
 
 def compare(out, lse, ref32, ref_lse, ref_native) -> dict:
@@ -380,7 +380,8 @@ def test_gpu_cuda_graph_replays_other_lengths():
     g = torch.Generator(device="cuda").manual_seed(1)
     for lens in ([0] * R, [1, 4096, 17, 300] * 4, list(range(0, 4096, 256))):
         cl.copy_(torch.tensor(lens, dtype=torch.int32))
-        bt.copy_(torch.randperm(kc.shape[0], generator=g, device="cuda")[:bt.numel()].view_as(bt).to(torch.int32))
+        mb = cap // bs  # the table's spare last column stays as it is (never read below the bound)
+        bt[:, :mb] = torch.randperm(kc.shape[0], generator=g, device="cuda")[:R * mb].view(R, mb).to(torch.int32)
         graph.replay()
         f = torch.float32
         ref32, ref_lse = da.dflash_block_attention(q.to(f), kb.to(f), vb.to(f), kc.to(f), vc.to(f), bt, cl, 0.125,
@@ -402,10 +403,10 @@ def test_gpu_drafter_padded_forward_equals_eager(dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     kvh, hd = drafter.kv_row_shape()
     for attn in drafter.attention_layers():
-        attn.kv_cache = torch.randn(2, 300, 16, kvh, hd, generator=g, device=dev).to(dtype)
+        attn.kv_cache = torch.randn(2, 330, 16, kvh, hd, generator=g, device=dev).to(dtype)
     bk, ctx_lens = 8, [5, 0, 1100, 4000]
     bt = torch.full((4, 256), -1, dtype=torch.int32, device=dev)
-    perm = torch.randperm(300, generator=g, device=dev).to(torch.int32)
+    perm = torch.randperm(330, generator=g, device=dev).to(torch.int32)
     i = 0
     for b, c in enumerate(ctx_lens):
         n = -(-c // 16)

@@ -42,23 +42,82 @@ class TopkRouter(nn.Module):
         self.scoring_func = scoring_func
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
-        logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(-1)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
-            T = x.shape[0]
-            grouped = choice.view(T, self.n_group, self.num_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if grouped.shape[-1] >= 2 else grouped.max(-1)[0]
-            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-            score_mask = group_mask[:, :, None].expand_as(grouped).reshape(T, self.num_experts)
-            choice = choice.masked_fill(score_mask == 0, float("-inf"))
-        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        topk_weights = scores.gather(1, topk_ids)
-        if self.norm_topk_prob:
-            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
-        return topk_weights * self.routed_scaling_factor, topk_ids
+        """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64).
+
+        The logits are one fp32 GEMM (``F.linear``; the loader keeps router weights fp32, so ``.float()``
+        copies nothing there). On CUDA the routing after it is one Triton launch
+        (``moe_router_triton.topk_routing_triton``), elsewhere (and under autograd) :func:`topk_routing`."""
+        weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        logits = F.linear(x.float(), weight)
+        bias = self.e_score_correction_bias
+        args = (bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
+                self.scoring_func)
+        needs_grad = torch.is_grad_enabled() and logits.requires_grad
+        if logits.is_cuda and not needs_grad:  # one launch instead of ~10-25 (decode is launch-bound)
+            from longflash.layers.moe_router_triton import topk_routing_triton
+            return topk_routing_triton(logits, *args)
+        return topk_routing(logits, *args)
+
+
+def check_routing_args(logits: torch.Tensor, e_score_correction_bias: torch.Tensor | None, top_k: int,
+                       n_group: int, topk_group: int, scoring_func: str) -> None:
+    """Raise ValueError naming the problem when :func:`topk_routing`'s arguments do not fit together."""
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [T, num_experts], got shape {list(logits.shape)}")
+    E = logits.shape[1]
+    if not logits.is_floating_point():
+        raise ValueError(f"router logits must be floating point, got {logits.dtype}")
+    if e_score_correction_bias is not None and tuple(e_score_correction_bias.shape) != (E,):
+        raise ValueError(f"e_score_correction_bias must be [{E}], got {list(e_score_correction_bias.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k ({top_k}) must be in [1, num_experts={E}]")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"num_experts ({E}) must be divisible by n_group ({n_group})")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group ({topk_group}) must be in [1, n_group={n_group}]")
+    if scoring_func not in ("sigmoid", "softmax"):
+        raise ValueError(f"unsupported scoring_func={scoring_func!r}; supported: sigmoid, softmax")
+
+
+def topk_routing(logits: torch.Tensor, e_score_correction_bias: torch.Tensor | None, top_k: int, n_group: int = 1,
+                 topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                 scoring_func: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 "noaux_tc" routing of router logits (the PyTorch reference of
+    ``moe_router_triton.topk_routing_triton``; HF ``DeepseekV3TopkRouter`` after its GEMM).
+
+    Args:
+        logits: [T, E] fp32 router logits (``x · W_gate^T``).
+        e_score_correction_bias: [E] fp32 or None; added to the scores for the choice only.
+        top_k: experts per token. n_group / topk_group: E splits into n_group groups of E / n_group; a
+            group's score is the sum of its two best choice scores (its best when groups have one expert);
+            experts outside the best topk_group groups cannot be chosen (choice -inf).
+        norm_topk_prob: divide the k weights by their sum + 1e-20. routed_scaling_factor: final multiplier.
+        scoring_func: "sigmoid" (per expert) or "softmax" (over the E experts).
+    Returns:
+        (topk_weights [T, k] fp32: the scores without bias at the chosen experts, renormalised and
+        scaled; topk_ids [T, k] int64). The order of the k slots is ``torch.topk(sorted=False)``'s,
+        which PyTorch does not specify (it differs between the CPU and CUDA).
+    Raises:
+        ValueError for logits that are not [T, E], a bias of another length, top_k outside [1, E], E not
+        divisible by n_group, topk_group outside [1, n_group] or an unknown scoring_func.
+    Formulas: arXiv 2412.19437 §2.1.2 (sigmoid scores, bias for the choice only) and HF transformers.
+    """
+    check_routing_args(logits, e_score_correction_bias, top_k, n_group, topk_group, scoring_func)
+    T, E = logits.shape
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if n_group > 1:
+        grouped = choice.view(T, n_group, E // n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if grouped.shape[-1] >= 2 else grouped.max(-1)[0]
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        score_mask = group_mask[:, :, None].expand_as(grouped).reshape(T, E)
+        choice = choice.masked_fill(score_mask == 0, float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
 
 
 def run_experts(x: torch.Tensor, experts: nn.ModuleList, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -103,3 +103,21 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     block_expert = torch.searchsorted(block_end, blocks, right=True)
     block_expert = torch.where(blocks < block_end[-1], block_expert, torch.full_like(block_expert, -1))
     return sorted_rows, block_expert.to(torch.int32), block_end[-1:].to(torch.int32)
+
+
+def expert_align(topk_ids: torch.Tensor, num_experts: int,
+                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`align_by_expert`'s layout and return contract, in one Triton launch on CUDA
+    (``moe_align_triton``; ~30 small launches otherwise) and by :func:`align_by_expert` elsewhere.
+
+    On CUDA the rows of one expert may come in another order than ``align_by_expert``'s stable one (the
+    kernel's atomics decide it); the blocks, their experts and ``num_blocks`` are the same, and the grouped
+    MoE's result does not depend on that order (each row is its own row of the tile products). Raises
+    ValueError for a non-2-D ``topk_ids`` or (on CUDA) a ``block_m`` that is not a power of two."""
+    if topk_ids.is_cuda:
+        from longflash.layers.moe_align_triton import moe_align_triton
+        sorted_rows, block_expert, sched = moe_align_triton(topk_ids, num_experts, block_m)
+        return sorted_rows, block_expert, sched[1:2]
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, k], got shape {list(topk_ids.shape)}")
+    return align_by_expert(topk_ids, num_experts, block_m)

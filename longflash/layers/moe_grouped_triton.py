@@ -2,12 +2,13 @@
 result as :func:`longflash.layers.moe_grouped.grouped_experts_ref` (fp32 accumulation; the k routed
 outputs of a token are summed in fp32, so results agree within rounding, not bitwise).
 
-Layout (vLLM fused_moe): ``align_by_expert`` sorts the T·k (token, slot) rows by expert into blocks of
-BLOCK_M rows; a program owns (row block, BLOCK_N output columns): it loads its block's expert id, the
-block's input rows (``x[row // k]`` for the gate/up projection, the intermediate row for the down
-projection) and that expert's weight tile, and accumulates ``tl.dot`` over K. Unused blocks (expert
--1) skip the K loop, so each chosen expert's weights are read once per block that holds its rows
-(decode: once). Between the two GEMMs the model's gated activation runs in PyTorch (SiLU or SiTU).
+Layout (vLLM fused_moe): ``expert_align`` (``align_by_expert``'s layout, one launch on CUDA) sorts the
+T·k (token, slot) rows by expert into blocks of BLOCK_M rows; a program owns (row block, BLOCK_N output
+columns): it loads its block's expert id, the block's input rows (``x[row // k]`` for the gate/up
+projection, the intermediate row for the down projection) and that expert's weight tile, and accumulates
+``tl.dot`` over K. Unused blocks (expert -1) skip the K loop, so each chosen expert's weights are read
+once per block that holds its rows (decode: once). Between the two GEMMs the model's gated activation
+runs in PyTorch (SiLU or SiTU).
 No host sync: every shape is fixed by T, k and E (CUDA-graph safe).
 
 Bytes (decode, memory-bound): the chosen experts' weights (distinct experts hit x 3·I·D x elem) plus
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longflash.layers.moe_grouped import align_by_expert
+from longflash.layers.moe_grouped import expert_align
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def grouped_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return x.new_zeros(0, w2.shape[1])
     n_rows = T * k
     cfg = dict(default_config(n_rows, E), **(config or {}))
-    sorted_rows, block_expert, _ = align_by_expert(topk_ids, E, cfg["BLOCK_M"])
+    sorted_rows, block_expert, _ = expert_align(topk_ids, E, cfg["BLOCK_M"])  # one launch on CUDA
     x = x.contiguous()
     h = _gemm(x, w13, sorted_rows, block_expert, n_rows, k, cfg)
     I = two_i // 2

@@ -3,7 +3,8 @@
 (0 tokens, 1 token, one source, widths that are not powers of two, a row count that is not a multiple of
 the tile, strided rows, sources that are views of one pool with ``out`` another view), and on the GPU in
 bf16 and fp32 at the default model's and Kimi-K3's shapes, through ``attn_res_mix`` (the dispatch) and
-inside a CUDA graph. Bad arguments raise ValueError naming the problem.
+inside a CUDA graph. The kernel compiles for sm_90 without a GPU (Triton's bundled ptxas) at the tiles the
+engine's shapes use. Bad arguments raise ValueError naming the problem.
 
 Error measures. fp32 with trained-scale pseudo-queries (w ~ N(0, 1/H), scores O(1)): max |kernel - ref|
 / max |ref| <= 1e-6. fp32 with large scores (w ~ N(0, 1), |s| ~ 10): the softmax amplifies the scores'
@@ -128,6 +129,52 @@ def test_bad_arguments_raise():
         attn_res_mix_triton([x, x], g, w, 1e-5, out=torch.empty(3, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="element stride"):
         attn_res_mix_triton([x, torch.randn(16, 3).t()], g, w, 1e-5)
+
+
+_SM90_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from longflash.layers import attn_res_triton as ak
+kern = ak._attn_res_mix_kernel
+idx = kern.arg_names.index
+out = {}
+for dt, wdt, H, T, S in (("bf16", "bf16", 256, 1, 5), ("bf16", "bf16", 256, 16, 5), ("bf16", "fp32", 256, 128, 3),
+                         ("bf16", "bf16", 7168, 1, 9), ("fp32", "fp32", 7168, 4096, 2)):
+    block_h, rows, warps = ak._tile(H, T)
+    sig = dict(src_ptrs=tuple([f"*{dt}"] * S), src_strides=tuple(["i32"] * S), g_ptr=f"*{wdt}", w_ptr=f"*{wdt}",
+               out_ptr=f"*{dt}", n_rows="i32", H="i32", stride_o="i32", eps="fp32",
+               S="constexpr", BLOCK_H="constexpr", BLOCK_ROWS="constexpr")
+    div = [["tt.divisibility", 16]]  # what Triton's launcher specializes for 16-aligned pointers, H % 16 == 0
+    attrs = {(idx("src_ptrs"), j): div for j in range(S)} | {(idx("src_strides"), j): div for j in range(S)}
+    attrs |= {(idx(n),): div for n in ("g_ptr", "w_ptr", "out_ptr", "H", "stride_o")}
+    key = f"{dt}-H{H}-T{T}-S{S}"
+    try:
+        c = triton.compile(ASTSource(fn=kern, signature=sig, attrs=attrs,
+                                     constexprs={(idx("S"),): S, (idx("BLOCK_H"),): block_h, (idx("BLOCK_ROWS"),): rows}),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        out[key] = dict(ok=bool(c.asm.get("cubin")), vector_loads=c.asm["ptx"].count("ld.global.v"))
+    except Exception as e:
+        out[key] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}")
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    """The tuple-of-pointers kernel compiles for sm_90 at the engine's tiles (default model T 1/16/128,
+    Kimi-K3 width, fp32), with vectorised source loads."""
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
+        pytest.skip("Triton's bundled ptxas is not available")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    assert len(res) == 5 and all(v["ok"] and v["vector_loads"] > 0 for v in res.values()), res
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

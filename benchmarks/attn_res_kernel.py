@@ -166,7 +166,6 @@ def main():
                                  kernel_GBps=nbytes / t_k / 1e9, frac_of_copy=nbytes / t_k / 1e9 / copy)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
-                del pool, ref, src, out
     ok = all(r["steps_vs_reference"] <= 1.0 for r in rows)
     meta = dict(commit=_git("rev-parse", "HEAD"), device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
                 torch=torch.__version__, command=" ".join([os.path.basename(sys.executable)] + sys.argv),

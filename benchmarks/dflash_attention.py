@@ -10,9 +10,10 @@ Writes DIR/dflash_attention.json and DIR/dflash_attention.md (JSON rewritten aft
     hd 64, Bk 8, bf16 pool of 16-row blocks) at batch 1 and 16, contexts 256 / 1024 / 4096, both
     paths captured in a CUDA graph with the graph's host bound (capacity 4096, as the draft graph);
     each graph holds ``--calls`` calls over distinct pools (one per drafter layer, as in the forward;
-    at batch 1 they fit in L2, at batch 16 not), so µs per call = replay time / calls. Columns: the torch path (the reference: the
-    context gathered padded up to the bound), the kernel, the speedup, the kernel's real-context
-    K/V bytes per µs as a fraction of the copy bandwidth, and the max |kernel − reference| (bf16);
+    at batch 1 they fit in L2, at batch 16 not), so µs per call = replay time / calls. Columns: the
+    torch path (the reference: the context gathered padded up to the bound), the kernel, the
+    speedup, the kernel's real-context K/V bytes per µs as a fraction of the copy bandwidth, and the
+    max |kernel − reference| (bf16);
   * ``drafter``: the shipped drafter's whole padded block forward (5 layers, as the draft graph
     runs it, without the LM head) before (torch attention path) and after (kernel): µs per replay
     of one CUDA graph captured at the capacity bound and replayed with each context length,
@@ -100,13 +101,9 @@ class Timer:
 
 
 def ceilings(dev) -> dict:
-    """Copy bandwidth (bytes read + written per second) and bf16 GEMM FLOP/s, CUDA events."""
+    """Copy bandwidth (bytes read + written per second) and bf16 GEMM FLOP/s, CUDA events (best of 5)."""
     if dev.type != "cuda":
         return {"copy_TBps": None, "gemm_TFLOPs": None}
-    x = torch.empty(1 << 29, dtype=torch.bfloat16, device=dev)  # 1 GiB
-    y = torch.empty_like(x)
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
     def best(fn, n=5):
         fn()
@@ -119,11 +116,19 @@ def ceilings(dev) -> dict:
             e1.synchronize()
             ts.append(e0.elapsed_time(e1) / 1e3)
         return min(ts)
-    copy_s = best(lambda: y.copy_(x))
-    gemm_s = best(lambda: a @ b)
-    del x, y, a, b
+
+    def copy_s():
+        x = torch.empty(1 << 29, dtype=torch.bfloat16, device=dev)  # 1 GiB
+        y = torch.empty_like(x)
+        return best(lambda: y.copy_(x))
+
+    def gemm_s():
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        return best(lambda: a @ b)
+    c, g = copy_s(), gemm_s()
     torch.cuda.empty_cache()
-    return {"copy_TBps": round(2 * (1 << 30) / copy_s / 1e12, 3), "gemm_TFLOPs": round(2 * 8192 ** 3 / gemm_s / 1e12, 1)}
+    return {"copy_TBps": round(2 * (1 << 30) / c / 1e12, 3), "gemm_TFLOPs": round(2 * 8192 ** 3 / g / 1e12, 1)}
 
 
 def make_inputs(R, cap, n_pools, dev, seed=0):
@@ -172,7 +177,6 @@ def attention_section(args, dev, timer, ceil, rep) -> list:
                    "split_rows": tk.choose_split_rows(R, KVH, args.capacity, tk._sm_count(dev), 64)}
             rows.append(row)
             rep(row)
-        del pools
     return rows
 
 
@@ -197,7 +201,6 @@ def sweep_section(args, dev, timer, rep) -> list:
             sweep.append({"batch": R, "context": args.contexts[-1], "split_rows": chosen, "default": sr is None,
                           "kernel_us": round(us, 2)})
             rep(sweep[-1])
-        del pools
     return sweep
 
 
@@ -243,8 +246,9 @@ def drafter_section(args, dev, timer, rep) -> list:
                     dflash_model.block_attention_op = op
                     with torch.inference_mode():
                         holder["h"] = drafter.forward_padded(x, pos, cl, bt, args.capacity)
+                eager = count_kernels(lambda fwd=fwd: fwd({}))  # own holder: the graph's output stays in `holder`
                 replays[name] = (timer.capture(fwd), holder)
-                res[name] = {"kernels_eager": count_kernels(fwd),
+                res[name] = {"kernels_eager": eager,
                              "kernels_graph_replay": count_kernels(replays[name][0]) if dev.type == "cuda" else None}
             for ctx in args.contexts:
                 cl.fill_(ctx)
@@ -269,18 +273,20 @@ def write(out_dir: str, result: dict) -> None:
     with open(os.path.join(out_dir, "dflash_attention.json"), "w") as f:
         json.dump(result, f, indent=1)
     lines = [f"# DFlash block attention: kernel vs torch path ({result['device']})", "",
-             f"commit {result['commit']}; `{result['command']}`; ceilings: copy {result['ceilings']['copy_TBps']} TB/s, "
-             f"bf16 GEMM {result['ceilings']['gemm_TFLOPs']} TFLOP/s", "",
+             f"commit {result['commit']}; `{result['command']}`; ceilings: copy {result['ceilings']['copy_TBps']} "
+             f"TB/s, bf16 GEMM {result['ceilings']['gemm_TFLOPs']} TFLOP/s", "",
              "## attention (µs per call, CUDA graph, host bound = capacity)", "",
-             "| batch | context | torch µs | kernel µs | speedup | kernel GB/s | frac of copy | split rows | max abs diff |",
+             "| batch | context | torch µs | kernel µs | speedup | kernel GB/s | frac of copy | split rows "
+             "| max abs diff |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['context']} | {r['torch_us']} | {r['kernel_us']} | {r['speedup']} | "
               f"{r['kernel_GBps']} | {r['frac_copy']} | {r['split_rows']} | {r['max_abs_diff']:.3g} |"
               for r in result.get("attention", [])]
     if result.get("split_sweep"):
-        lines += ["", "## split sweep (kernel µs per call, context = largest)", "", "| batch | split rows | default | µs |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['split_rows']} | {r['default']} | {r['kernel_us']} |" for r in result["split_sweep"]]
+        lines += ["", "## split sweep (kernel µs per call, context = largest)", "",
+                  "| batch | split rows | default | µs |", "|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['split_rows']} | {r['default']} | {r['kernel_us']} |"
+                  for r in result["split_sweep"]]
     if result.get("drafter"):
         lines += ["", "## drafter block forward (5 layers, one CUDA graph replay)", "",
                   "| batch | context | before µs | after µs | speedup | kernels before (graph/eager) | "

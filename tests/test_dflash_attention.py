@@ -397,8 +397,10 @@ def test_gpu_drafter_padded_forward_equals_eager(dtype):
     """The shipped drafter's padded block forward (the kernel on CUDA) against its eager per-request
     forward (PyTorch attention), the graph's capacity bound as the host bound."""
     from longflash.default_model_path import default_model_path
+    from longflash.spec_decode import dflash_attention_triton as tk
     from longflash.spec_decode.dflash_model import load_drafter
     dev = torch.device("cuda")
+    assert da.block_attention_op(torch.zeros(1, device=dev)) is tk.dflash_block_attention
     drafter = load_drafter(os.path.join(default_model_path(), "drafter"), 14, dtype, dev)
     g = torch.Generator(device="cuda").manual_seed(0)
     kvh, hd = drafter.kv_row_shape()

@@ -59,10 +59,12 @@ def _attn_res_mix_kernel(src_ptrs, src_strides, g_ptr, w_ptr, out_ptr, n_rows, H
 
 def _tile(H: int, T: int) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_ROWS, num_warps) for T rows of width H: a whole row per program, up to 16 rows
-    and 4096 elements per tile (no more rows than T), 512 elements per warp (2 to 16 warps). Every
-    source's load is issued before the first score is known, so a thread holds S x tile / (32 warps)
-    elements: sm_90 compilation (ptxas -v, strides divisible by 16) uses 46-64 registers without
-    spills at H 256 (S 5) and 128 registers with 192 bytes of spills at H 7168 (S 9, 16 warps)."""
+    and 4096 elements per tile (no more rows than T), 512 elements per warp (2 to 16 warps). The
+    compiler issues every source's load up front (good for latency at decode sizes), so a thread holds
+    up to S x tile / (32 x num_warps) loaded elements: sm_90 compilation (ptxas -v, strides divisible
+    by 16) uses 46-64 registers without spills at H 256 (S 5) and 128 registers with 192 bytes of
+    spills at H 7168 (S 9, 16 warps). Chosen without a GPU; ``benchmarks/attn_res_kernel.py`` times
+    alternatives."""
     block_h = triton.next_power_of_2(H)
     block_rows = max(1, min(16, 4096 // block_h, triton.next_power_of_2(max(T, 1))))
     return block_h, block_rows, min(16, max(2, block_h * block_rows // 512))

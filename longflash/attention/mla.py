@@ -101,10 +101,8 @@ class MLAAttention(nn.Module):
         kv_a = self.kv_a_proj_with_mqa(x)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
-        if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(ctx.positions, q.dtype)
-            q_pe = self.rotary.rotate(q_pe, cos, sin)
-            k_pe = self.rotary.rotate(k_pe, cos, sin)
+        if self.rotary is not None:  # one launch on CUDA (cos/sin computed in-kernel), the reference elsewhere
+            q_pe, k_pe = self.rotary.rotate_qk(q_pe, k_pe, ctx.positions)
         if self.calculate_kv_scales and self._k_scale() is not None:
             amax = float(torch.maximum(kv_c.abs().max(), k_pe.abs().max())) if T else 0.0
             self.k_scale = amax / 200.0 if amax > 0 else 1.0

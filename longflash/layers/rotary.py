@@ -12,6 +12,9 @@ import math
 import torch
 from torch import nn
 
+# dtypes the fused kernels take (fp32 math inside); others use the reference
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     """YaRN attention temperature ``0.1 * mscale * ln(scale) + 1`` (1 when scale <= 1)."""
@@ -109,11 +112,17 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` [rotary_dim // 2] fp32 on ``device`` (copied once per device, then cached: under a
+        CUDA graph the first call must happen before capture, e.g. in the warm-up forward)."""
+        inv_freq = self._inv_freq_on.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[device] = self.inv_freq.to(device)
+        return inv_freq
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, rotary_dim // 2] for int64 ``positions`` [T]."""
-        inv_freq = self._inv_freq_on.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq_on(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         cos = (freqs.cos() * self.attention_factor).to(dtype)
         sin = (freqs.sin() * self.attention_factor).to(dtype)
@@ -129,3 +138,61 @@ class RotaryEmbedding(nn.Module):
             half = x.shape[-1] // 2
             x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def check_qk(self, q: torch.Tensor | None, k: torch.Tensor | None, positions: torch.Tensor) -> torch.dtype:
+        """Validate :meth:`rotate_qk`'s arguments; returns the dtype of the rotated outputs.
+
+        Raises ValueError when both q and k are None, when a tensor is not [T, rotary_dim] or
+        [T, heads, rotary_dim] with T = len(positions), when q and k differ in dtype or device, when a
+        dtype is not floating point, or when positions is not a 1-D integer tensor on their device."""
+        xs = [(n, x) for n, x in (("q", q), ("k", k)) if x is not None]
+        if not xs:
+            raise ValueError("rotate_qk needs q or k (both are None)")
+        if positions.dim() != 1 or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+            raise ValueError(f"positions must be a 1-D integer tensor, got {tuple(positions.shape)} "
+                             f"{positions.dtype}")
+        T = positions.shape[0]
+        for name, x in xs:
+            if x.dim() not in (2, 3) or x.shape[0] != T or x.shape[-1] != self.rotary_dim:
+                raise ValueError(f"{name} must be [T={T}, rotary_dim={self.rotary_dim}] or [T, heads, "
+                                 f"rotary_dim], got {tuple(x.shape)}")
+            if not x.dtype.is_floating_point:
+                raise ValueError(f"{name} must be floating point, got {x.dtype}")
+            if x.device != positions.device:
+                raise ValueError(f"{name} is on {x.device} but positions on {positions.device}")
+        if len(xs) == 2 and q.dtype != k.dtype:
+            raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+        return xs[0][1].dtype
+
+    def rotate_qk_ref(self, q: torch.Tensor | None, k: torch.Tensor | None,
+                      positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Reference of :meth:`rotate_qk`: ``cos_sin(positions, dtype)`` then :meth:`rotate` of q and k
+        (the math of the engine before the fused kernel, every step in q's dtype)."""
+        dtype = self.check_qk(q, k, positions)
+        cos, sin = self.cos_sin(positions, dtype)
+        return (self.rotate(q, cos, sin) if q is not None else None,
+                self.rotate(k, cos, sin) if k is not None else None)
+
+    def rotate_qk(self, q: torch.Tensor | None, k: torch.Tensor | None,
+                  positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rotate queries and keys at ``positions`` in one call.
+
+        Args:
+            q: [T, heads, rotary_dim] or [T, rotary_dim], any float dtype (a strided view such as MLA's
+                q_pe slice is fine), or None (e.g. the DFlash drafter's context keys alone).
+            k: the same for keys ([T, rotary_dim] MLA k_pe, [T, kv_heads, rotary_dim] GQA), or None.
+            positions: [T] integer positions on the same device.
+        Returns:
+            (q_rot, k_rot) of q's and k's shapes and dtype (None where the input is None), laid out as
+            :meth:`rotate` lays them out (interleaved input -> de-interleaved output).
+        Raises:
+            ValueError for shapes/dtypes/devices that do not fit (:meth:`check_qk`).
+        On CUDA (fp32/fp16/bf16) without autograd: one Triton launch (``rotary_triton.rotate_qk_triton``: cos/sin computed
+        in-kernel, fp32 math, one rounding); elsewhere :meth:`rotate_qk_ref`.
+        """
+        x = q if q is not None else k
+        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k))
+        if x is not None and x.is_cuda and x.dtype in _TRITON_DTYPES and not needs_grad:
+            from longflash.layers.rotary_triton import rotate_qk_triton
+            return rotate_qk_triton(self, q, k, positions)
+        return self.rotate_qk_ref(q, k, positions)

@@ -218,26 +218,42 @@ def _router(H, E, k, ng, tg, scale, scoring="sigmoid", seed=0):
     return router
 
 
+def _near_tie_rows(logits, bias, k, rows):
+    """True when each row in ``rows`` has its k-th and (k+1)-th softmax choice scores within 1e-6 relative
+    (ungrouped routing): the only rows where an ulp of the softmax sum may change the chosen set."""
+    c = (logits[rows].softmax(-1) + bias).sort(-1, descending=True)[0]
+    return bool(((c[:, k - 1] - c[:, k]).abs() <= 1e-6 * c[:, k - 1].abs()).all())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_router_gpu_model_shapes():
-    """TopkRouter on CUDA (the kernel) equals the reference on CUDA: ids as sets, weights within fp32
-    rounding; without renormalisation the sigmoid weights are the reference's within one ulp."""
+    """TopkRouter on CUDA (the kernel) equals the reference on CUDA at the model shapes, bf16 and fp32
+    activations: sigmoid ids as sets in every row, weights within fp32 rounding, and without
+    renormalisation the weights within one ulp (the scores are bitwise; the factor multiplies once).
+    Softmax (ungrouped models): ids differ only in rows with a near tie at the k-th place."""
     bad = {}
     for name, H, E, k, ng, tg, scale in _MODELS:
-        for scoring in ("sigmoid", "softmax"):
+        for scoring in ("sigmoid", "softmax") if ng == 1 else ("sigmoid",):
             router = _router(H, E, k, ng, tg, scale, scoring)
+            bias = router.e_score_correction_bias
             for dtype in (torch.bfloat16, torch.float32):
                 for T in (1, 16, 128, 1000):
-                    x = torch.randn(T, H, device="cuda", generator=None).to(dtype)
+                    x = torch.randn(T, H, device="cuda").to(dtype)
                     with torch.no_grad():
                         got = router(x)
                         logits = F.linear(x.float(), router.weight)
-                        ref = topk_routing(logits, router.e_score_correction_bias, k, ng, tg, True, scale, scoring)
-                        r = _compare(got, ref)
+                        ref = topk_routing(logits, bias, k, ng, tg, True, scale, scoring)
                         router.norm_topk_prob = False
-                        r_raw = _compare(router(x), topk_routing(logits, router.e_score_correction_bias, k, ng, tg,
-                                                                 False, scale, scoring))
+                        got_raw = router(x)
                         router.norm_topk_prob = True
+                        ref_raw = topk_routing(logits, bias, k, ng, tg, False, scale, scoring)
+                    differ = (got[1] != ref[1].sort(1)[0]).any(1)
+                    if scoring == "softmax" and differ.any():
+                        assert _near_tie_rows(logits, bias, k, differ.nonzero()[:, 0]), (name, dtype, T)
+                        keep = ~differ
+                        got, ref = (got[0][keep], got[1][keep]), (ref[0][keep], ref[1][keep])
+                        got_raw, ref_raw = (got_raw[0][keep], got_raw[1][keep]), (ref_raw[0][keep], ref_raw[1][keep])
+                    r, r_raw = _compare(got, ref), _compare(got_raw, ref_raw)
                     ok = r["shape"] and r["ascending"] and r["same_ids"] and r["rel"] <= 1e-6 and r_raw["same_ids"] \
                         and r_raw["rel"] <= (1.2e-7 if scoring == "sigmoid" else 1e-6)
                     if not ok:

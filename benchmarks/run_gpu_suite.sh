@@ -32,6 +32,8 @@ run attn_res_kernel 70 python3 benchmarks/attn_res_kernel.py --out "$R"
 run attn_res_kernel_tests 50 python3 -m pytest -q -p no:cacheprovider tests/test_attn_res_triton.py -k "(gpu or graph) and not sm90"
 run moe_routing 90 python3 benchmarks/moe_routing.py --out "$R"
 run moe_router_gpu_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_moe_router_triton.py -k "gpu and not sm90"
+run fused_elementwise 70 python3 benchmarks/fused_elementwise.py --out "$R"
+run fused_elementwise_tests 50 python3 -m pytest -q -p no:cacheprovider tests/test_rotary_triton.py tests/test_activation_triton.py -k "(gpu or graph) and not sm90"
 run kda 160 python3 benchmarks/kda.py --out "$R"
 # gpu_tests: the CPU-only interpreter and sm_90-compile tests of these files are left to the CPU suite
 run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py tests/test_kda_chunked_triton.py -k "not interpreter and not sm90"

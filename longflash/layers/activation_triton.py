@@ -96,12 +96,12 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, act: int, beta: float, linear_
     g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
     u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
     BLOCK_I = min(triton.next_power_of_2(I), 1024)
-    BLOCK_ROWS = max(1, min(triton.next_power_of_2(n), 2048 // BLOCK_I))
+    BLOCK_ROWS = max(1, 2048 // BLOCK_I)  # not from n: one compiled variant per width, whatever the batch
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1" or not gate.is_cuda
     _act_and_mul_kernel[(triton.cdiv(n, BLOCK_ROWS), triton.cdiv(I, BLOCK_I))](
         g2, u2, out, n, I, g2.stride(0), u2.stride(0), I, float(beta), float(linear_beta),
         ACT=act, LIBDEVICE=not interp, BLOCK_ROWS=BLOCK_ROWS, BLOCK_I=BLOCK_I,
-        num_warps=4 if BLOCK_ROWS * BLOCK_I >= 1024 else 1)
+        num_warps=4)
     return out
 
 

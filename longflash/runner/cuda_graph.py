@@ -227,7 +227,7 @@ class DecodeGraphRunner:
         context, aux [B*q, H] or None, chain or None), logits row = token row; spans as
         ``ModelRunner.prepare``. ``chain`` (with a proposer drafting on persistent inputs): the step's
         :class:`ChainedStep` (every row's argmax and, per request, the next drafts under greedy
-        acceptance), read from the device in one copy."""
+        acceptance), read from the device in one copy when first used."""
         scheduled = sched.scheduled
         B = len(scheduled)
         graph = self.graphs.get((q, self._bucket(B))) if self.graphs else None
@@ -251,29 +251,43 @@ class DecodeGraphRunner:
         for i, s in enumerate(scheduled):
             done = s.num_lookahead_tokens or s.seq.num_computed_tokens + 1 == len(s.seq.token_ids)
             spans.append((i * q, q if done else 0))
-        chain = ChainedStep.read(packed, B, rows, q, proposer.block_size - 1) if packed is not None else None
+        chain = ChainedStep(packed, B, rows, q, proposer.block_size - 1) if packed is not None else None
         return logits[:T], spans, ctx, (aux[:T] if aux is not None else None), chain
 
 
 class ChainedStep:
-    """Host copy of a chained verify step's packed result (``DraftGraphRunner.draft_after_verify``)
-    for the B real requests of a batch padded to ``rows``.
+    """Host view of a chained verify step's packed device result (``DraftGraphRunner.draft_after_verify``)
+    for the B real requests of a batch padded to ``rows``; read from the device on first use (the
+    step's one device -> host sync happens in ``LLMEngine.step``, never inside the forward).
 
     Attributes:
-        greedy_ids: [B·q] argmax token of every row (the sampler's greedy choice, read once).
+        greedy_ids: [B·q] argmax token of every row (the sampler's greedy choice).
         next_drafts: per request (expected position of the next pending token, expected pending
             token, drafts [Bk - 1]); valid for the next step only if the request committed exactly
             the greedy tokens (``LLMEngine`` checks both expectations before using the drafts).
     """
 
-    def __init__(self, greedy_ids: list[int], next_drafts: list[tuple[int, int, list[int]]]):
-        self.greedy_ids = greedy_ids
-        self.next_drafts = next_drafts
+    def __init__(self, packed: torch.Tensor, B: int, rows: int, q: int, num_drafts: int):
+        self._packed, self._shape = packed, (B, rows, q, num_drafts)
+        self._greedy_ids: list[int] | None = None
+        self._next: list[tuple[int, int, list[int]]] | None = None
 
-    @classmethod
-    def read(cls, packed: torch.Tensor, B: int, rows: int, q: int, num_drafts: int) -> "ChainedStep":
-        v = packed.tolist()  # NOTE: the step's one device -> host sync
+    def _read(self) -> None:
+        B, rows, q, nd = self._shape
+        v = self._packed.tolist()  # NOTE: the step's one device -> host sync
         tokens, o = v[:B * q], rows * q
         accepted, start, drafts = v[o:o + B], v[o + rows:o + rows + B], v[o + 2 * rows:]
-        nxt = [(start[i], tokens[i * q + accepted[i]], drafts[i * num_drafts:(i + 1) * num_drafts]) for i in range(B)]
-        return cls(tokens, nxt)
+        self._greedy_ids = tokens
+        self._next = [(start[i], tokens[i * q + accepted[i]], drafts[i * nd:(i + 1) * nd]) for i in range(B)]
+
+    @property
+    def greedy_ids(self) -> list[int]:
+        if self._greedy_ids is None:
+            self._read()
+        return self._greedy_ids
+
+    @property
+    def next_drafts(self) -> list[tuple[int, int, list[int]]]:
+        if self._next is None:
+            self._read()
+        return self._next

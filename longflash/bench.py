@@ -125,6 +125,8 @@ def _check_counts(args) -> None:
         raise ValueError("--batch-size, --num-prompts and --output-len must be >= 1")
     if getattr(args, "num_iters_warmup", 0) < 0:
         raise ValueError("--num-iters-warmup must be >= 0")
+    if getattr(args, "num_iters", 1) < 1:
+        raise ValueError("--num-iters must be >= 1")
 
 
 def _warm_up(engine, args, batch_size: int) -> None:
@@ -159,9 +161,12 @@ def cmd_latency(args) -> int:
         report["peak_bandwidth_gbs"] = peak
         report["kv_bytes_per_token"] = engine.kv_bytes_per_token
         for bsz in args.batch_size:
-            prompts = _prompts(engine, args, bsz, args.seed)
             _warm_up(engine, args, bsz)
-            r = run_offline(engine, prompts, args.output_len, peak)
+            # --num-iters timed batches, each of other prompts (seed, seed + 1000, ...): the same prompts
+            # in the spec-on and spec-off runs
+            its = [run_offline(engine, _prompts(engine, args, bsz, args.seed + 1000 * i), args.output_len, peak)
+                   for i in range(args.num_iters)]
+            r = its[0] if len(its) == 1 else _mean_of_iters(its)
             report["runs"].setdefault(str(bsz), {})[name] = r
             print(format_report(r, f"Latency Benchmark Result [{name}, batch {bsz}]"), flush=True)
         engine.shutdown()
@@ -169,12 +174,32 @@ def cmd_latency(args) -> int:
         for bsz, runs in report["runs"].items():
             ratio = runs["spec_on"]["output_throughput"] / runs["spec_off"]["output_throughput"]
             runs["speedup_spec_on_vs_off"] = round(ratio, 3)
-            print(f"batch {bsz}: DFlash speedup {ratio:.2f}x (output tok/s, same run), acceptance length "
+            # decode speedup: mean time per output token after the first (TPOT), prefill excluded
+            tpot_on, tpot_off = runs["spec_on"]["mean_tpot_ms"], runs["spec_off"]["mean_tpot_ms"]
+            decode = tpot_off / tpot_on if tpot_on else float("nan")
+            runs["decode_speedup_spec_on_vs_off"] = round(decode, 3)
+            print(f"batch {bsz}: DFlash speedup {ratio:.2f}x (output tok/s incl. prefill, same run), decode "
+                  f"speedup {decode:.2f}x (mean TPOT {tpot_off:.3f} -> {tpot_on:.3f} ms), acceptance length "
                   f"{runs['spec_on']['mean_acceptance_length']:.2f}", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _mean_of_iters(its: list[dict]) -> dict:
+    """Metrics of several timed batches: the mean of each numeric metric over the batches, the
+    acceptance length over all drafts (sum of accepted / sum of drafts), and the per-batch
+    (output tok/s, mean TPOT ms, acceptance length) under ``iters``."""
+    out = {k: sum(r[k] for r in its) / len(its) for k, v in its[0].items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and all(isinstance(r.get(k), (int, float)) for r in its)}
+    drafts = sum(r.get("spec_decode_num_drafts", 0) for r in its)
+    if drafts:
+        accepted = sum(r.get("spec_decode_accepted_tokens", 0) for r in its)
+        out["mean_acceptance_length"] = out["spec_decode_acceptance_length"] = 1 + accepted / drafts
+    out["iters"] = [{"output_throughput": r["output_throughput"], "mean_tpot_ms": r["mean_tpot_ms"],
+                     "mean_acceptance_length": r["mean_acceptance_length"]} for r in its]
+    return out
 
 
 def cmd_throughput(args) -> int:
@@ -212,6 +237,8 @@ def add_bench_parser(sub) -> None:
         if name == "latency":
             p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
             p.add_argument("--compare-spec", action="store_true", help="run with DFlash off and on, report the ratio")
+            p.add_argument("--num-iters", type=int, default=1,
+                           help="timed batches per batch size, each of other prompts; metrics are their means")
         else:
             p.add_argument("--num-prompts", type=int, default=32)
         if name == "serve":

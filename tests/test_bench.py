@@ -101,3 +101,17 @@ def test_prompt_length_range_counts_the_output():
     assert [len(p["prompt_token_ids"]) for p in ok] == [84, 84, 84]
     with pytest.raises(ValueError, match=r"\[1, 84\].*--output-len 16"):
         make_prompts(None, 50, 100, 3, 90, "random", 0, output_len=16)
+
+
+def test_mean_of_iters_pools_acceptance():
+    """``bench latency --num-iters``: numeric metrics averaged over the timed batches, the acceptance
+    length pooled over all drafts (not the mean of per-batch ratios)."""
+    from longflash.bench import _mean_of_iters
+    a = {"output_throughput": 10.0, "mean_tpot_ms": 2.0, "mean_acceptance_length": 2.0,
+         "spec_decode_num_drafts": 10, "spec_decode_accepted_tokens": 10, "model": "x"}
+    b = {"output_throughput": 30.0, "mean_tpot_ms": 4.0, "mean_acceptance_length": 4.0,
+         "spec_decode_num_drafts": 30, "spec_decode_accepted_tokens": 90, "model": "x"}
+    m = _mean_of_iters([a, b])
+    assert m["output_throughput"] == 20.0 and m["mean_tpot_ms"] == 3.0
+    assert m["mean_acceptance_length"] == pytest.approx(1 + 100 / 40) and "model" not in m
+    assert [i["mean_tpot_ms"] for i in m["iters"]] == [2.0, 4.0]

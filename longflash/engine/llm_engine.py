@@ -531,10 +531,12 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------
     def _lookahead(self, seq: Sequence) -> int:
-        """Draft tokens to verify after the pending token: B − 1 (or num_speculative_tokens),
-        never past max_tokens or max_model_len."""
-        left = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
-        return max(0, min(self.num_speculative_tokens, left, self.max_model_len - len(seq.token_ids)))
+        """Draft tokens to verify after the pending token: B − 1 (or num_speculative_tokens), never past
+        max_model_len (the cache slots). Not cut at max_tokens: the commit stops there anyway, and a
+        constant count keeps a batch's verify steps uniform (one CUDA graph) while its requests
+        finish at different steps (cutting it made every step with a finishing request take the
+        eager general path)."""
+        return max(0, min(self.num_speculative_tokens, self.max_model_len - len(seq.token_ids)))
 
     def step(self) -> list[RequestOutput]:
         """Schedule, (draft,) run the target once, sample or verify, update requests. Returns the

@@ -49,8 +49,11 @@ class DFlashAttention(nn.Module):
         rotary table of those positions when the caller already has it (else computed)."""
         T = h.shape[0]
         k = self.k_norm(self.k_proj(h).view(T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
+        if cos_sin is None and h.is_cuda:  # one fused launch (cos/sin computed in the kernel)
+            return self.rotary.rotate_qk(None, k, positions)[1], v
         cos, sin = cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, h.dtype)
-        return self.rotary.rotate(k, cos, sin), self.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
+        return self.rotary.rotate(k, cos, sin), v
 
     def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -104,9 +107,14 @@ class DFlashAttention(nn.Module):
         """
         N = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(N, self.num_heads, self.head_dim))
-        cos, sin = cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, x.dtype)
-        q = self.rotary.rotate(q, cos, sin)
-        k_blk, v_blk = self.kv(x, positions, (cos, sin))
+        if cos_sin is None and x.is_cuda:  # q and the block's keys rotated in one fused launch
+            k = self.k_norm(self.k_proj(x).view(N, self.num_kv_heads, self.head_dim))
+            v_blk = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+            q, k_blk = self.rotary.rotate_qk(q, k, positions)
+        else:
+            cos, sin = cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, x.dtype)
+            q = self.rotary.rotate(q, cos, sin)
+            k_blk, v_blk = self.kv(x, positions, (cos, sin))
         out, _ = block_attention_op(q)(q, k_blk, v_blk, self.kv_cache[0], self.kv_cache[1], block_table, context_lens,
                                        self.scale, self.window, max_context_len, max_rows)
         return self.o_proj(out.reshape(N, -1))
@@ -172,8 +180,9 @@ class DFlashDraftModel(nn.Module):
         return self.hidden_norm(self.fc(aux))
 
     def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        # NOTE: all layers share one RotaryEmbedding, so the rotary table is computed once here.
-        cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, h_ctx.dtype)
+        # NOTE: all layers share one RotaryEmbedding, so the rotary table is computed once here (on
+        # CUDA each layer's fused RoPE kernel computes it in registers instead).
+        cos_sin = None if h_ctx.is_cuda else self.layers[0].self_attn.rotary.cos_sin(positions, h_ctx.dtype)
         for attn in self.attention_layers():
             attn.write_context(h_ctx, positions, slot_mapping, cos_sin)
 
@@ -194,8 +203,9 @@ class DFlashDraftModel(nn.Module):
         """:meth:`forward` for requests of one block length from device tensors (no host sync; see
         ``DFlashAttention.forward_padded``): block_embeds [R·Bk, H], context_lens [R] -> [R·Bk, H]."""
         h = block_embeds
-        # Shared by every layer (one rotary module): computed once per forward, as in :meth:`forward`.
-        cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, h.dtype)
+        # Shared by every layer (one rotary module): computed once per forward, as in :meth:`forward`
+        # (on CUDA each layer's fused RoPE kernel computes it in registers instead).
+        cos_sin = None if h.is_cuda else self.layers[0].self_attn.rotary.cos_sin(positions, h.dtype)
         for layer in self.layers:
             h = h + layer.self_attn.forward_padded(layer.input_layernorm(h), positions, context_lens, block_table,
                                                    max_context_len, cos_sin=cos_sin)

@@ -205,3 +205,36 @@ def test_chained_drafts_equal_fresh_proposals():
     engine._use_chained_drafts = checking_use
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == ref
     assert len(taken) >= 6 and all(taken)
+
+
+def test_fused_projections_equal_unfused():
+    """GatedMLP.fuse_gate_up (gate + up in one GEMM) and the drafter's fuse_projections (k + v, gate +
+    up), which the GPU engine applies: the target's logits and the drafter's padded block forward are
+    unchanged (fp32 rounding), and the parameters are views of the fused weights (no second copy)."""
+    from longflash.layers.mlp import GatedMLP
+    engine = LLM(**KW).engine
+    sched, reqs, _ = _decoding_step(engine)
+    before = engine.runner.execute(sched, proposer=engine.proposer)
+    b_logits, b_aux = before.logits.clone(), before.aux.clone()
+    drafter = engine.proposer.drafter
+    tables = [s.seq.block_table for s in sched.scheduled[:2]]
+    n = min(len(t) for t in tables)
+    table = torch.tensor([t[:n] for t in tables], dtype=torch.int32)
+    ctx = [n * KW["block_size"] - 3, n * KW["block_size"] - 5]  # context rows inside the allocated blocks
+    ctx_lens = torch.tensor(ctx, dtype=torch.int32)
+    pos = torch.cat([torch.arange(c, c + 8) for c in ctx])
+    h = torch.randn(16, drafter.cfg.hidden_size)
+    with torch.inference_mode():
+        d_before = drafter.forward_padded(h, pos, ctx_lens, table, max(ctx))
+    mlps = [m for m in engine.model.modules() if isinstance(m, GatedMLP)]
+    for m in mlps:
+        m.fuse_gate_up()
+    drafter.fuse_projections()
+    assert all(m.gate_proj.weight.data_ptr() == m.gate_up_weight.data_ptr() for m in mlps)
+    attn = drafter.layers[0].self_attn
+    assert attn.v_proj.weight.data_ptr() == attn.kv_weight[attn.k_proj.weight.shape[0]:].data_ptr()
+    after = engine.runner.execute(sched, proposer=engine.proposer)
+    assert _close(after.logits, b_logits) <= 1e-6 and _close(after.aux, b_aux) <= 1e-6
+    with torch.inference_mode():
+        d_after = drafter.forward_padded(h, pos, ctx_lens, table, max(ctx))
+    assert _close(d_after, d_before) <= 1e-6

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from longflash.attention import ops
+from longflash.attention.dispatch import cache_ops
 from longflash.distributed.comm import GroupCoordinator
 from longflash.layers.norm import RMSNorm
 from longflash.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_evenly, tp_rank_of, tp_size_of
@@ -79,7 +80,7 @@ class GQAAttention(nn.Module):
             self.k_scale_source = "calculated"
             self.calculate_kv_scales = False  # frozen from now on
         scale = self.k_scale if fp8 else None
-        ops.reshape_and_cache(k, v, self.kv_cache[0], self.kv_cache[1], ctx.slot_mapping, scale, scale)
+        cache_ops(self.kv_cache).reshape_and_cache(k, v, self.kv_cache[0], self.kv_cache[1], ctx.slot_mapping, scale, scale)
         if ctx.uniform_decode:  # device-tensor lengths with host bounds: no sync (CUDA graphs)
             o = ops.paged_gqa_attention(q, self.kv_cache[0], self.kv_cache[1], ctx.block_table, ctx.query_start_loc,
                                         ctx.seq_lens, self.scale, scale, scale, max_query_len=ctx.max_query_len,

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from longflash.attention import ops
+from longflash.attention.dispatch import cache_ops
 from longflash.attention.chunked_context import DEFAULT_CONTEXT_WORKSPACE_ROWS, plan_context_chunks
 from longflash.distributed import dcp as dcp_ops
 from longflash.distributed.comm import GroupCoordinator, get_parallel_state
@@ -259,13 +260,3 @@ def decode_op(cache: torch.Tensor):
         from longflash.attention import triton_mla_decode
         return triton_mla_decode.mla_decode_attention
     return ops.mla_decode_attention
-
-
-def cache_ops(cache: torch.Tensor):
-    """The module implementing the cache write / gather / merge ops and the prefill's dense attention
-    for ``cache``'s device: the Triton kernels on a GPU (the attention: the in-place PyTorch form),
-    the PyTorch references elsewhere (same signatures)."""
-    if cache.is_cuda:
-        from longflash.attention import triton_ops
-        return triton_ops
-    return ops

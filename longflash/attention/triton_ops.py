@@ -24,7 +24,7 @@ even) and IEEE division do the same job exactly, so on both the kernels are byte
 reference (``torch.float8_e4m3fn`` conversion) for every non-NaN input.
 
 Unlike the references, the kernels do not check block-table bounds (that would need a host sync).
-This module imports Triton; the engine imports it only for a CUDA cache (``mla.cache_ops``), so
+This module imports Triton; the engine imports it only for a CUDA cache (``dispatch.cache_ops``), so
 ``longflash`` itself never needs Triton. For the CPU interpreter set ``TRITON_INTERPRET=1`` before
 the first import of triton.
 """
@@ -321,6 +321,27 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
                 BLOCK_R=triton.next_power_of_2(R), BLOCK_P=triton.next_power_of_2(P), FP8=fp8, SCALE_MODE=mode,
                 HW_FP8=hw, BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict,
                 num_warps=num_warps or cfg[1])
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
+                      v_scale: float | torch.Tensor | None = None) -> None:
+    """Triton version of :func:`longflash.attention.ops.reshape_and_cache` (same semantics and cache
+    bytes): GQA keys/values [T, kv_heads, head_dim] (rows may be strided, the last dim contiguous) into
+    caches [num_blocks, block_size, kv_heads, head_dim], slot -1 skipped, fp8 caches quantized with
+    ``k_scale`` / ``v_scale``. One launch per plane: a row of width W = kv_heads * head_dim is written by
+    the MLA write kernel as its two halves (the kernel's ``kv_c`` and ``k_pe`` parts). Raises ValueError
+    for a non-contiguous cache."""
+    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        T = x.shape[0]
+        if T == 0:
+            continue
+        x2 = x.reshape(T, -1)
+        W = x2.shape[1]
+        if cache.shape[2:].numel() != W or not cache.is_contiguous():
+            raise ValueError(f"cache rows must be contiguous of {W} elements, got shape {tuple(cache.shape)}")
+        half = W // 2 if W > 1 else 1
+        concat_and_cache_mla(x2[:, :half], x2[:, half:], cache.view(*cache.shape[:2], W), slot_mapping, scale)
 
 
 def _row_tiles(width: int) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from longflash.config import EngineConfig, resolve_dtype
 from longflash.distributed import comm, placement
@@ -16,6 +17,7 @@ from longflash.engine.block_manager import BlockManager
 from longflash.engine.scheduler import Scheduler
 from longflash.engine.sequence import Sequence
 from longflash.engine.stop_checker import StopChecker
+from longflash.layers.mlp import GatedMLP
 from longflash.models.loader import load_model
 from longflash.outputs import CompletionOutput, RequestOutput
 from longflash.runner.model_runner import ModelRunner
@@ -226,9 +228,16 @@ class LLMEngine:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if self.device.type == "cuda":
+            # routed experts keep their own weights (views of the stacked expert tensors)
+            routed = {id(e) for m in self.model.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList)
+                      for e in m.experts}
             for m in self.model.modules():  # stack bf16 routed experts for the grouped (capture-safe) MoE kernel
                 if hasattr(m, "stack_experts") and not getattr(m, "grouped_experts", True):
                     m.stack_experts()
+                if isinstance(m, GatedMLP) and id(m) not in routed:  # one GEMM for gate + up per MLP
+                    m.fuse_gate_up()
+            if self.proposer is not None:
+                self.proposer.drafter.fuse_projections()
         capturer = None
         if cuda_graphs:
             from longflash.runner.cuda_graph import GraphCapturer

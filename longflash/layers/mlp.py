@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longflash.distributed.comm import GroupCoordinator
@@ -31,6 +32,23 @@ class GatedMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp=tp, what=what)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, reduce=reduce, what=what)
         self.act_and_mul = act_and_mul
+        self.gate_up_weight: torch.Tensor | None = None  # [2·I, H] once fuse_gate_up() ran
+
+    def fuse_gate_up(self) -> None:
+        """Compute gate and up with one GEMM from now on (inference; the engine calls it on GPUs, where
+        every launch counts in a decode step): the two weights are copied into one [2·I, H] tensor and
+        the parameters become views of its halves (no second copy is kept). The act-and-mul then reads
+        the two halves of the GEMM's output in place. Idempotent."""
+        if self.gate_up_weight is not None:
+            return
+        g, u = self.gate_proj.weight, self.up_proj.weight
+        w = torch.cat([g.detach(), u.detach()])
+        g.data, u.data = w[:g.shape[0]], w[g.shape[0]:]
+        self.gate_up_weight = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gu = F.linear(x, self.gate_up_weight)
+            i = gu.shape[-1] // 2
+            return self.down_proj(self.act_and_mul(gu[..., :i], gu[..., i:]))
         return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))

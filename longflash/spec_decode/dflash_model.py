@@ -14,9 +14,11 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longflash.attention import ops
+from longflash.attention.dispatch import cache_ops
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.norm import RMSNorm
 from longflash.layers.rotary import RotaryEmbedding
@@ -42,14 +44,32 @@ class DFlashAttention(nn.Module):
         self.window = window
         self.scale = hd ** -0.5
         self.kv_cache: torch.Tensor | None = None  # draft pool: [2, num_blocks, block_size, kvh, hd]
+        self.kv_weight: torch.Tensor | None = None  # [2·kvh·hd, H] once fuse_kv() ran
+
+    def fuse_kv(self) -> None:
+        """Compute keys and values with one GEMM from now on (inference, GPUs): k_proj and v_proj
+        become views of one [2·kvh·hd, H] weight (no second copy). Idempotent."""
+        if self.kv_weight is None:
+            k, v = self.k_proj.weight, self.v_proj.weight
+            w = torch.cat([k.detach(), v.detach()])
+            k.data, v.data = w[:k.shape[0]], w[k.shape[0]:]
+            self.kv_weight = w
+
+    def _kv_proj(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [T, kvh, hd] projections of h [T, H] (views of one GEMM's output after fuse_kv)."""
+        T, shape = h.shape[0], (h.shape[0], self.num_kv_heads, self.head_dim)
+        if self.kv_weight is None:
+            return self.k_proj(h).view(shape), self.v_proj(h).view(shape)
+        kv = F.linear(h, self.kv_weight)
+        w = kv.shape[-1] // 2
+        return kv[:, :w].view(T, *shape[1:]), kv[:, w:].view(T, *shape[1:])
 
     def kv(self, h: torch.Tensor, positions: torch.Tensor,
            cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated, normed keys and values of rows h [T, H] at ``positions`` [T]; ``cos_sin``: the
         rotary table of those positions when the caller already has it (else computed)."""
-        T = h.shape[0]
-        k = self.k_norm(self.k_proj(h).view(T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
+        k, v = self._kv_proj(h)
+        k = self.k_norm(k)
         if cos_sin is None and h.is_cuda:  # one fused launch (cos/sin computed in the kernel)
             return self.rotary.rotate_qk(None, k, positions)[1], v
         cos, sin = cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, h.dtype)
@@ -58,7 +78,7 @@ class DFlashAttention(nn.Module):
     def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         k, v = self.kv(h_ctx, positions, cos_sin)
-        ops.reshape_and_cache(k, v, self.kv_cache[0], self.kv_cache[1], slot_mapping)
+        cache_ops(self.kv_cache).reshape_and_cache(k, v, self.kv_cache[0], self.kv_cache[1], slot_mapping)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, block_starts: list[int],
                 context_lens: list[int], block_table: torch.Tensor,
@@ -108,9 +128,8 @@ class DFlashAttention(nn.Module):
         N = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(N, self.num_heads, self.head_dim))
         if cos_sin is None and x.is_cuda:  # q and the block's keys rotated in one fused launch
-            k = self.k_norm(self.k_proj(x).view(N, self.num_kv_heads, self.head_dim))
-            v_blk = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
-            q, k_blk = self.rotary.rotate_qk(q, k, positions)
+            k, v_blk = self._kv_proj(x)
+            q, k_blk = self.rotary.rotate_qk(q, self.k_norm(k), positions)
         else:
             cos, sin = cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, x.dtype)
             q = self.rotary.rotate(q, cos, sin)
@@ -168,6 +187,13 @@ class DFlashDraftModel(nn.Module):
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+    def fuse_projections(self) -> None:
+        """One GEMM for each layer's keys + values and for each MLP's gate + up (inference on GPUs;
+        ``DFlashAttention.fuse_kv``, ``GatedMLP.fuse_gate_up``)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_kv()
+            layer.mlp.fuse_gate_up()
 
     def attention_layers(self) -> list[DFlashAttention]:
         return [layer.self_attn for layer in self.layers]

@@ -4,7 +4,6 @@ unchunked path (DESIGN invariant 3) on the tiny test models, with fp32 and bf16 
 import random
 
 import pytest
-import torch
 
 from longflash import LLM, SamplingParams
 from longflash.attention import mla as mla_mod

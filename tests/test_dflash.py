@@ -125,7 +125,7 @@ def tiny_ds(tmp_path_factory):
 
 
 def test_taps_equal_hf_hidden_states(tiny_ds, tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
     from tiny_models import make_qwen3
     for path in (tiny_ds[0], make_qwen3(str(tmp_path / "q"))):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -162,7 +162,6 @@ def test_k3_tap_is_the_attn_res_mixture(default_models):
     ids = torch.tensor([list(range(40, 70))])
     captured = {}
     layers = ref.model.layers
-    orig = [l.self_attn.forward for l in layers]
     # Record the mixture inputs by recomputing them from the reference's own bank/prefix loop.
     taps = AuxTapper(ref, [2, 13], "attn_res_mixture")
     with torch.no_grad(), taps.capture() as t:

@@ -2,7 +2,6 @@
 (amax/200 of the first batch, then frozen), checkpoint ``*.k_scale`` loading, CLI flags."""
 
 import argparse
-import os
 import random
 import shutil
 

@@ -9,7 +9,6 @@ and the one-launch expert alignment keeps ``align_by_expert``'s layout."""
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 

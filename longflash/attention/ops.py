@@ -7,7 +7,6 @@ LSE = natural log-sum-exp of the scaled attention logits.
 
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -6,7 +6,6 @@ report also gives what the same experts would take in bf16, so the saving has it
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from longflash.layers.mxfp4 import MXFP4Experts

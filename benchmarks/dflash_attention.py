@@ -47,6 +47,7 @@ sys.path.insert(0, REPO)
 from longflash.spec_decode import dflash_attention as da  # noqa: E402
 from longflash.spec_decode import dflash_attention_triton as tk  # noqa: E402
 from longflash.spec_decode import dflash_model  # noqa: E402
+from longflash.ops.triton_env import sm_count  # noqa: E402
 
 NH, KVH, HD, BK, BLOCK = 4, 2, 64, 8, 16  # the shipped drafter; the engine's pool block size
 
@@ -174,7 +175,7 @@ def attention_section(args, dev, timer, ceil, rep) -> list:
                    "kernel_GBps": round(nbytes / k_us / 1e3, 1),
                    "frac_copy": round(nbytes / (k_us * 1e-6) / copy_bps, 4) if copy_bps else None,
                    "max_abs_diff": diff,
-                   "split_rows": tk.choose_split_rows(R, KVH, args.capacity, tk._sm_count(dev), 64)}
+                   "split_rows": tk.choose_split_rows(R, KVH, args.capacity, sm_count(dev), 64)}
             rows.append(row)
             rep(row)
     return rows
@@ -197,7 +198,7 @@ def sweep_section(args, dev, timer, rep) -> list:
                     tk.dflash_block_attention(q, kb, vb, p[0], p[1], bt, cl, HD ** -0.5, None, args.capacity,
                                               split_rows=sr)
             us = timer.time_us(timer.capture(run)) / len(pools)
-            chosen = sr or tk.choose_split_rows(R, KVH, args.capacity, tk._sm_count(dev), 64)
+            chosen = sr or tk.choose_split_rows(R, KVH, args.capacity, sm_count(dev), 64)
             sweep.append({"batch": R, "context": args.contexts[-1], "split_rows": chosen, "default": sr is None,
                           "kernel_us": round(us, 2)})
             rep(sweep[-1])

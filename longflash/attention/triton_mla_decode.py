@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -43,6 +42,7 @@ import triton.language as tl
 
 from longflash.attention.ops import DECODE_PIECE_ROWS, FP8_DTYPE
 from longflash.attention.triton_ops import _from_e4m3_bits
+from longflash.ops.triton_env import interpreting, sm_count
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_ROWS = 256
@@ -318,22 +318,6 @@ def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stri
         tl.store(lse_ptr + row, tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, tot)) + m_safe))
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     """Tile shape for a batch whose largest request has ``max_query_rows`` = q_len · H query rows:
     BLOCK_M (query rows per program, >= 16 for ``tl.dot``), BLOCK_N (cache rows per step), num_warps,
@@ -479,7 +463,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
     if block_table.dim() != 2 or block_table.device != q.device or kv_cache.device != q.device:
         raise ValueError("block_table must be 2-D and q, kv_cache, block_table on one device")
-    if not q.is_cuda and not _interpret():
+    if not q.is_cuda and not interpreting():
         raise ValueError("the Triton MLA decode kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
                          "Triton is imported); on the CPU use ops.mla_decode_attention")
     B = (query_start_loc.numel() if isinstance(query_start_loc, torch.Tensor) else len(query_start_loc)) - 1
@@ -522,10 +506,10 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     groups = max(1, triton.cdiv(max_query_len * H, BLOCK_M))
     row_bytes = W * kv_cache.element_size()
     S = num_splits or choose_num_splits(B, groups, max_seq_len, max_query_len * H, R, W, row_bytes,
-                                        _sm_count(q.device) * cfg["occupancy"])
+                                        sm_count(q.device) * cfg["occupancy"])
     BLOCK_R, BLOCK_P = triton.next_power_of_2(R), max(16, triton.next_power_of_2(P))
     ks = 1.0 if k_scale is None or not fp8 else float(k_scale)
-    interp = _interpret() or not q.is_cuda
+    interp = interpreting() or not q.is_cuda
     src = kv_cache.view(torch.uint8) if fp8 else kv_cache
     vis = visible_lens.to(torch.int32) if visible_lens is not None else qsl
     f16 = bool(cfg.get("F16", False)) and fp8 and q.dtype != torch.float32  # fp16 dots need an fp8 cache

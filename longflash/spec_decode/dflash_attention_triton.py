@@ -36,7 +36,6 @@ q's dtype (the interpreter's 16-bit ``tl.dot`` is not a float product); on the G
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -44,6 +43,7 @@ import triton.language as tl
 
 from longflash.attention.ops import DECODE_PIECE_ROWS
 from longflash.spec_decode.dflash_attention import check_block_attention_args
+from longflash.ops.triton_env import interpreting, sm_count
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_ROWS = 128
@@ -231,22 +231,6 @@ def _block_attn_stage2(part_ptr, plse_ptr, cl_ptr, out_ptr, lse_ptr, num_splits,
     tl.store(lse_ptr + row, mx + tl.log(tot))
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def default_config(block_m: int, head_dim: int) -> dict:
     """Tile of one launch: BLOCK_N context rows per step, num_warps, num_stages (for BLOCK_M query
     rows, head_dim columns). Not yet tuned on the H200: ``benchmarks/dflash_attention.py`` times it."""
@@ -281,7 +265,7 @@ def dflash_block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Te
     """
     R, Bk, L = check_block_attention_args(q, k_blk, v_blk, k_cache, v_cache, block_table, context_lens, window,
                                           max_context_len)
-    if not q.is_cuda and not _interpret():
+    if not q.is_cuda and not interpreting():
         raise ValueError("the Triton DFlash block attention needs CUDA tensors (or TRITON_INTERPRET=1 set before "
                          "Triton is imported); on the CPU use dflash_attention.dflash_block_attention")
     for name, t in (("q", q), ("k_blk", k_blk), ("v_blk", v_blk), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -298,14 +282,14 @@ def dflash_block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Te
     block_n = cfg["BLOCK_N"]
     bound = L if window is None else min(L, window)
     if split_rows is None:
-        split_rows = choose_split_rows(R, kvh, bound, _sm_count(q.device), block_n)
+        split_rows = choose_split_rows(R, kvh, bound, sm_count(q.device), block_n)
     elif split_rows <= 0 or split_rows % block_n:
         raise ValueError(f"split_rows {split_rows} must be a positive multiple of BLOCK_N={block_n}")
     S = max(1, triton.cdiv(bound, split_rows))
     cl = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
     bt = block_table if block_table.dtype == torch.int32 and block_table.stride(-1) == 1 else \
         block_table.to(torch.int32).contiguous()
-    interp = _interpret() or not q.is_cuda
+    interp = interpreting() or not q.is_cuda
     common = dict(KVH=kvh, REP=rep, BK=Bk, HD=hd, BLOCK_M=max(16, triton.next_power_of_2(Bk * rep)),
                   BLOCK_B=max(16, triton.next_power_of_2(Bk)), BLOCK_N=block_n,
                   BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_SIZE=k_cache.shape[1], SPLIT_ROWS=split_rows,

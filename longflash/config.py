@@ -133,6 +133,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -158,6 +164,9 @@ class EngineConfig:
             from longflash.distributed.placement import check_parallel_device
             cuda = torch.device(self.device).type == "cuda"
             check_parallel_device(self.device, tp, torch.cuda.device_count() if cuda else 0)
+        elif torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but this torch build sees no CUDA GPU "
+                             f"(torch {torch.__version__}); use --device cpu")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")

@@ -279,6 +279,14 @@ BAD_INPUTS = [
      {"Authorization": "Bearer nope"}, 401, None, "invalid_api_key"),
     ("unknown_route", "/v1/embeddings", OK_COMPLETION, None, 404, None, "not_found"),
     ("detokenize_out_of_vocab", "/detokenize", {"tokens": [10**6]}, None, 400, "tokens", "invalid_value"),
+    ("logit_bias_unsupported", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"5": 100}}, None, 400,
+     "logit_bias", "unsupported_field"),
+    ("response_format_json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_object"}}, None, 400, "response_format", "unsupported_field"),
+    ("tools_unsupported", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400, "tools", "unsupported_field"),
+    ("stop_token_out_of_vocab", "/v1/completions", {**OK_COMPLETION, "stop_token_ids": [10**9]}, None, 400,
+     "stop_token_ids", "invalid_value"),
 ]
 
 

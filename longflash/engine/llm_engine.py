@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -409,8 +410,16 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt. Raises ValueError without a tokenizer, for a non-string, and for
+        text that is not valid Unicode (e.g. lone surrogates from undecodable bytes)."""
         if self.tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True")
+        if not isinstance(prompt, str):
+            raise ValueError(f"a text prompt must be a string, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at position {e.start})") from None
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -455,8 +464,15 @@ class LLMEngine:
         elif isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt) if prompt else []
         else:
+            if (isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__")
+                    or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)):
+                raise ValueError("a prompt must be text, a list of integer token ids, or {'prompt_token_ids': [...]}, "
+                                 f"got {type(prompt).__name__}")
             ids = [int(t) for t in prompt]
         params.validate()
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if params.n != 1:
             raise ValueError(f"n must be 1 for LLMEngine.add_request, got {params.n}; LLM.generate and the "
                              "server fan n > 1 out into n requests")

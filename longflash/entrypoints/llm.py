@@ -70,9 +70,17 @@ class LLM:
                 for cid in ids:
                     self.engine.abort_request(cid)
             raise
-        final = self._run([cid for _, ids in groups for cid in ids], use_tqdm)
-        return [final[ids[0]] if len(ids) == 1 else merge_outputs(rid, [final[c] for c in ids])
-                for rid, ids in groups]
+        final, failed = self._run([cid for _, ids in groups for cid in ids], use_tqdm)
+        outputs = [None if any(c in failed for c in ids) else
+                   final[ids[0]] if len(ids) == 1 else merge_outputs(rid, [final[c] for c in ids])
+                   for rid, ids in groups]
+        if failed:
+            i, (cid, err) = next((i, (c, failed[c])) for i, (_, ids) in enumerate(groups) for c in ids if c in failed)
+            e = RuntimeError(f"prompt {i} (request {cid}) failed in the engine: {err!r}; the other prompts "
+                             "finished: their outputs are in this error's .outputs (None for failed prompts)")
+            e.outputs = outputs
+            raise e from err
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -83,13 +91,20 @@ class LLM:
             prompts.append({"prompt_token_ids": self.engine.apply_chat_template(conv, add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> tuple[dict[str, RequestOutput], dict[str, Exception]]:
+        """Step until no request is left: (final output by request id, error by request id of the
+        requests the engine failed; the engine drops those and keeps serving the others)."""
         final: dict[str, RequestOutput] = {}
+        failed: dict[str, Exception] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
                     bar.update(1)
+            while self.engine.failed_requests:
+                rid, err = self.engine.failed_requests.pop(0)
+                failed[rid] = err
+                bar.update(1)
         bar.close()
-        return final
+        return final, failed

@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import longflash
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids
-from longflash.entrypoints.server.async_engine import AsyncEngine, EngineRequestError, RequestStream, merge_streams
+from longflash.entrypoints.server.async_engine import (AsyncEngine, EngineRequestError, RequestStream, ServerShuttingDown,
+                                                       merge_streams)
 from longflash.entrypoints.server.metrics import ServerMetrics
 from longflash.entrypoints.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                    DetokenizeRequest, TokenizeRequest, chat_logprobs,
@@ -40,7 +41,8 @@ logger = logging.getLogger("longflash.server")
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs", "stop", "seed", "n",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
+                 "ignore_eos", "skip_special_tokens")
 MAX_N = 128  # completions per request; each is an engine request
 
 
@@ -60,6 +62,10 @@ def _sse(obj: Any) -> str:
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _unavailable_code(e: EngineRequestError) -> str:
+    return "server_shutting_down" if isinstance(e, ServerShuttingDown) else "engine_unavailable"
 
 
 def _param_of(message: str) -> str | None:
@@ -169,6 +175,9 @@ class _Server:
             return cls.model_validate(obj)
         except ValidationError as e:
             err = e.errors()[0]
+            if not err["loc"]:  # a whole-request check (protocol: unimplemented OpenAI fields)
+                msg = str(err["msg"]).removeprefix("Value error, ")
+                raise ApiError(400, msg, param=msg.split(" ", 1)[0], code="unsupported_field") from None
             loc = [str(x) for x in err["loc"]]
             # Drop union-branch names (e.g. prompt.str) so that the param is the field path.
             param = ".".join(x for x in loc if x not in ("str", "int", "list[int]", "list[str]", "list[list[int]]",
@@ -237,14 +246,15 @@ class _Server:
 
         streams: list[RequestStream] = []
         try:
-            for cid, child in zip(child_request_ids(request_id, len(children)), children):
-                streams.append(await self.ae.add_request(cid, build_for(child)))
+            # one engine-thread command for all n choices: queued before the next step, or none
+            streams = await self.ae.add_requests([(cid, build_for(child)) for cid, child in
+                                                  zip(child_request_ids(request_id, len(children)), children)])
         except ValueError as e:
             self.abort(streams)
             raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
         except EngineRequestError as e:
             self.abort(streams)
-            raise ApiError(503, str(e), code="engine_unavailable") from None
+            raise ApiError(503, str(e), code=_unavailable_code(e)) from None
         except BaseException:
             self.abort(streams)
             raise
@@ -284,6 +294,8 @@ class _Server:
             raise ApiError(499, "the client closed the request", code="client_closed_request")
         try:
             return task.result()
+        except ServerShuttingDown as e:
+            raise ApiError(503, str(e), code="server_shutting_down") from None
         except EngineRequestError as e:
             self.abort(streams)  # the other choices of this request
             raise ApiError(500, str(e), code="engine_error") from None
@@ -300,6 +312,9 @@ def _stream_with_abort(srv: _Server, streams: list[RequestStream],
         try:
             async for frame in body(streams):
                 yield frame
+        except ServerShuttingDown as e:
+            yield _sse(error_body(503, str(e), code="server_shutting_down"))
+            yield "data: [DONE]\n\n"
         except EngineRequestError as e:
             yield _sse(error_body(500, str(e), code="engine_error"))
             yield "data: [DONE]\n\n"

@@ -28,6 +28,10 @@ class EngineRequestError(RuntimeError):
     """The engine failed this request (its other requests go on)."""
 
 
+class ServerShuttingDown(EngineRequestError):
+    """The server is shutting down (SIGINT/SIGTERM): the request was stopped or not queued."""
+
+
 class RequestStream:
     """Outputs of one request, filled by the engine thread, read by one coroutine.
 
@@ -124,6 +128,7 @@ class AsyncEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="longflash-engine", daemon=True)
         self.dead: BaseException | None = None
+        self.draining = False  # set by stop_all_requests: no new request is queued
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,6 +139,20 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def stop_all_requests(self, reason: str = "the server is shutting down") -> None:
+        """Thread-safe (called from the signal handler): queue no new request, and end every request in
+        flight with :class:`ServerShuttingDown` (its handler answers 503 / a final error frame and
+        ``[DONE]``; its KV blocks are freed before the next engine step)."""
+        self.draining = True
+
+        def cmd() -> None:
+            for rid, stream in list(self._streams.items()):
+                stream.put(ServerShuttingDown(reason))
+                self.engine.abort_request(rid)
+            self._streams.clear()
+
+        self._submit(cmd)
 
     @property
     def is_alive(self) -> bool:
@@ -146,6 +165,8 @@ class AsyncEngine:
 
     async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps; return its result or raise its error."""
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down")
         if not self.is_alive:
             raise EngineRequestError("the engine loop is not running")
         loop = asyncio.get_running_loop()
@@ -169,20 +190,37 @@ class AsyncEngine:
     async def add_request(self, request_id: str, build: Callable[[LLMEngine], tuple[Any, Any]]) -> RequestStream:
         """Queue a request. ``build(engine) -> (prompt, SamplingParams)`` runs on the engine thread (it
         may tokenize). Raises ValueError from the engine (nothing queued) for invalid input."""
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        return (await self.add_requests([(request_id, build)]))[0]
+
+    async def add_requests(self, items: list[tuple[str, Callable[[LLMEngine], tuple[Any, Any]]]]) -> list[RequestStream]:
+        """Queue several requests (e.g. the n choices of one API request) in one engine-thread command:
+        all of them before the next engine step, or none (a failing one aborts those already added and
+        its ValueError is raised). ``items``: (request id, build) pairs as for :meth:`add_request`."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(rid, loop) for rid, _ in items]
         arrival = time.time()
 
         def add(engine: LLMEngine) -> None:
-            prompt, params = build(engine)
-            engine.add_request(request_id, prompt, params, arrival_time=arrival)
-            self._streams[request_id] = stream
+            added: list[str] = []
+            try:
+                for (rid, build), stream in zip(items, streams):
+                    prompt, params = build(engine)
+                    engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    added.append(rid)
+                    self._streams[rid] = stream
+            except BaseException:
+                for rid in added:
+                    self._streams.pop(rid, None)
+                    engine.abort_request(rid)
+                raise
 
         try:
             await self.run(add)
         except asyncio.CancelledError:
-            self.abort(request_id)
+            for rid, _ in items:
+                self.abort(rid)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Thread-safe, fire and forget: abort the request and free its KV blocks before the next step."""

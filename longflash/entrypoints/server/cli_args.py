@@ -83,9 +83,15 @@ def run_server(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_request_body_bytes, max_logprobs=args.max_logprobs,
                     speculative_config=spec)
     logger.info("serving %s as %s on http://%s:%d", config.model, ", ".join(names), args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                           access_log=not args.disable_uvicorn_access_log,
-                                           timeout_graceful_shutdown=5))
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGINT/SIGTERM: end the requests in flight with a 503 (a stream: an error frame and
+            # [DONE]) and queue no new ones, so the graceful shutdown finds no open request to cancel.
+            async_engine.stop_all_requests()
+            super().handle_exit(sig, frame)
+
+    server = _Uvicorn(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                     access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5))
     try:
         server.run()
     finally:

@@ -1,6 +1,8 @@
 """Request models (pydantic, strict types) and response builders in the OpenAI shapes.
 
-Unknown request fields are ignored (as vLLM does); a wrong type is a 400 naming the field.
+Unknown request fields are ignored (as vLLM does); a wrong type is a 400 naming the field. OpenAI fields
+that would change the output but are not implemented (``logit_bias``, ``response_format`` other than
+text, ``tools`` / ``functions``, ``suffix``) are a 400 naming the field, never silently ignored.
 Responses are plain dicts built by the functions below (the OpenAI JSON shapes).
 """
 
@@ -9,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -44,6 +46,25 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        """A 400 for OpenAI fields whose effect this server does not implement (a request that sets
+        them would otherwise get an answer that silently ignores them)."""
+        if isinstance(data, dict):
+            rf = data.get("response_format")
+            unsupported = {
+                "logit_bias": bool(data.get("logit_bias")),
+                "response_format": rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
+                "tools": bool(data.get("tools")),
+                "functions": bool(data.get("functions")),
+                "suffix": bool(data.get("suffix")),
+            }
+            for name, bad in unsupported.items():
+                if bad:
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
 
 
 class CompletionRequest(_SamplingRequest):

@@ -1,0 +1,66 @@
+"""Offline API input checks found by a fresh-user review: SamplingParams fields of the wrong type are
+refused by name (they used to reach the engine and fail there), prompts that are not text / token ids
+or not valid Unicode raise ValueError, stop token ids outside the vocabulary are refused, ``--device
+cuda`` without CUDA is a clear error, and a request the engine fails no longer discards the other
+prompts' outputs."""
+
+import pytest
+import torch
+
+from longflash import LLM, SamplingParams
+from longflash.config import EngineConfig
+from longflash.default_model_path import default_model_path
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"top_k": 2.5}, "top_k"), ({"max_tokens": 5.5}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": True}, "temperature"), ({"temperature": "hot"}, "temperature"), ({"max_tokens": "5"}, "max_tokens"),
+    ({"seed": "a"}, "seed"), ({"seed": 2 ** 70}, "seed"), ({"stop": [1]}, "stop"), ({"stop": 3}, "stop"),
+    ({"stop_token_ids": "a"}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"logprobs": 1.5}, "logprobs"), ({"ignore_eos": "yes"}, "ignore_eos"),
+])
+def test_sampling_params_wrong_types_are_named(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(speculative_config="off", max_num_seqs=4)
+
+
+def test_bad_prompts_and_stop_ids(llm):
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    for bad, match in (("\udcff", "not valid Unicode"), (b"\xff\xfe", "a prompt must be"), ([None], "a prompt must be"),
+                       ([1.5, 2], "a prompt must be")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([bad], sp)
+    with pytest.raises(ValueError, match="stop_token_ids contains 1000000000, outside the vocabulary"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2, stop_token_ids=[10 ** 9]))
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["hi"], sp)[0].outputs[0].token_ids) == 2  # still serving
+
+
+def test_a_failed_request_keeps_the_others_outputs(llm, monkeypatch):
+    engine = llm.engine
+    real = engine._sample_and_verify
+
+    def failing(seq, *a, **k):
+        if seq.prompt == "boom":
+            raise RuntimeError("planted failure")
+        return real(seq, *a, **k)
+    monkeypatch.setattr(engine, "_sample_and_verify", failing)
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(RuntimeError, match=r"prompt 1 \(request .*\) failed in the engine") as e:
+        llm.generate(["good prompt", "boom", "another"], sp)
+    outs = e.value.outputs
+    assert outs[1] is None and [len(o.outputs[0].token_ids) for o in (outs[0], outs[2])] == [3, 3]
+    assert not engine.failed_requests and not engine.has_unfinished_requests()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CPU-only torch")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        EngineConfig(model=default_model_path(), device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        EngineConfig(model=default_model_path(), device="tpu")

@@ -20,7 +20,7 @@ class SamplingParams:
         seed: per-request RNG seed; the same seed gives the same tokens.
         max_tokens: maximum number of generated tokens (>= 1).
         stop: strings that end generation; the matched string is not part of the output text.
-        stop_token_ids: token ids that end generation (kept in the token ids, not in the text).
+        stop_token_ids: token ids that end generation (kept in the token ids, not in the text, as in vLLM V1).
         ignore_eos: keep generating past the EOS token.
         logprobs: None = none; N >= 0 = the sampled token's logprob plus the top N.
         skip_special_tokens: drop special tokens when detokenizing.

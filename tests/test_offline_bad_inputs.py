@@ -64,3 +64,16 @@ def test_cuda_device_without_cuda_is_a_clear_error():
         EngineConfig(model=default_model_path(), device="cuda")
     with pytest.raises(ValueError, match="device must be"):
         EngineConfig(model=default_model_path(), device="tpu")
+
+
+def test_stop_token_text_is_not_in_the_output(llm):
+    """A request ended by one of its stop_token_ids keeps the token in its ids but not in its text
+    (vLLM V1; a fresh-user review found the text there)."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate(["def fibonacci(n):"], sp)[0].outputs[0]
+    stop_at = full.token_ids[4]
+    out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                             stop_token_ids=[stop_at]))[0].outputs[0]
+    k = full.token_ids.index(stop_at)
+    assert out.token_ids == full.token_ids[:k + 1] and out.stop_reason == stop_at
+    assert out.text == llm.get_tokenizer().decode(full.token_ids[:k])

@@ -49,11 +49,13 @@ class StopChecker:
                 seq.output_text = text[:best[0]]
                 seq.finish_reason, seq.stop_reason = "stop", best[1]
                 return True
-        if not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-            return True
-        if token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        if eos or token in params.stop_token_ids:
+            # vLLM V1: the token that ends the request stays in the token ids, not in the text
+            if self.tokenizer is not None:
+                seq.output_text = self.tokenizer.decode(seq.output_token_ids[:-1],
+                                                        skip_special_tokens=params.skip_special_tokens)
+            seq.finish_reason, seq.stop_reason = "stop", (None if eos else token)
             return True
         if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"

@@ -19,8 +19,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from longflash.engine.llm_engine import LLMEngine
     from longflash.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
     if args.chat:
@@ -58,13 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--stop", action="append", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (the default here, unlike the offline API's 1.0) = greedy; > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 or -1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0: off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0; divides positive / multiplies negative logits of prompt and output tokens (1: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], per token present in the output")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], per occurrence in the output")
+    g.add_argument("--min-tokens", type=int, default=0, help="EOS and stop token ids are masked before this many tokens")
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeat the flag for several)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=cmd_generate)
 

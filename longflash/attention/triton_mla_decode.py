@@ -43,6 +43,7 @@ import triton.language as tl
 from longflash.attention.ops import DECODE_PIECE_ROWS, FP8_DTYPE
 from longflash.attention.triton_ops import _from_e4m3_bits
 from longflash.ops.triton_env import interpreting, sm_count
+from longflash.ops.triton_math import dot_acc
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_ROWS = 256
@@ -104,15 +105,6 @@ def _load_raw(cache_ptr, blk, n, hi, R: tl.constexpr, P: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def _dot(a, b, c, IEEE: tl.constexpr):
-    """``a @ b (+ c)`` with fp32 accumulation; IEEE fp32 products under ``IEEE``."""
-    if IEEE:
-        return tl.dot(a, b, c, input_precision="ieee")
-    else:
-        return tl.dot(a, b, c)
-
-
-@triton.jit
 def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row_ok, cache_ptr, qsc,
              R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
@@ -148,7 +140,7 @@ def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row
     else:
         v = kn
     if TRANS:
-        s = _dot(kp, q_pe, _dot(kn, q_nope, None, DOT_IEEE), DOT_IEEE)
+        s = dot_acc(kp, q_pe, dot_acc(kn, q_nope, None, DOT_IEEE), DOT_IEEE)
         s = s * qsc[None, :]
         keep = row_ok[None, :] & n_ok[:, None] & (n[:, None] < vis[None, :])
         s = tl.where(keep, s, float("-inf"))
@@ -160,9 +152,9 @@ def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row
         pr = pr.to(DDT)
         if DOT_IEEE:
             pr = pr.to(tl.float32)
-        acc = _dot(tl.trans(v), pr, acc * alpha[None, :], DOT_IEEE)
+        acc = dot_acc(tl.trans(v), pr, acc * alpha[None, :], DOT_IEEE)
     else:
-        s = _dot(q_pe, tl.trans(kp), _dot(q_nope, tl.trans(kn), None, DOT_IEEE), DOT_IEEE)
+        s = dot_acc(q_pe, tl.trans(kp), dot_acc(q_nope, tl.trans(kn), None, DOT_IEEE), DOT_IEEE)
         s = s * qsc[:, None]
         keep = row_ok[:, None] & n_ok[None, :] & (n[None, :] < vis[:, None])
         s = tl.where(keep, s, float("-inf"))
@@ -174,7 +166,7 @@ def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row
         pr = pr.to(DDT)
         if DOT_IEEE:
             pr = pr.to(tl.float32)
-        acc = _dot(pr, v, acc * alpha[:, None], DOT_IEEE)
+        acc = dot_acc(pr, v, acc * alpha[:, None], DOT_IEEE)
     return m_new, l_i, acc
 
 

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from longflash.ops.triton_math import exp_f32
+
 _ACT_SILU = 0
 _ACT_SITU = 1
 
@@ -42,14 +44,6 @@ def tanh_portable(x):
 
 
 @triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
 def _tanh(x, LIBDEVICE: tl.constexpr):
     if LIBDEVICE:
         return libdevice.tanh(x)
@@ -61,11 +55,11 @@ def _tanh(x, LIBDEVICE: tl.constexpr):
 def gated_act_f32(g, u, beta, linear_beta, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):
     """fp32 ``act(g) * u`` in the reference's operation order; ACT 0 = SwiGLU, 1 = SiTU."""
     if ACT == 1:
-        sig = tl.math.div_rn(1.0, 1.0 + _exp(-g, LIBDEVICE))
+        sig = tl.math.div_rn(1.0, 1.0 + exp_f32(-g, LIBDEVICE))
         a = beta * _tanh(tl.math.div_rn(g, beta), LIBDEVICE) * sig
         return a * (linear_beta * _tanh(tl.math.div_rn(u, linear_beta), LIBDEVICE))
     else:
-        return tl.math.div_rn(g, 1.0 + _exp(-g, LIBDEVICE)) * u
+        return tl.math.div_rn(g, 1.0 + exp_f32(-g, LIBDEVICE)) * u
 
 
 @triton.jit

@@ -40,9 +40,9 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from longflash.layers.moe import check_routing_args
+from longflash.ops.triton_math import exp_f32
 
 _IDX_BITS = 20  # expert id bits of a key; keys are (ordered score bits << 20) | (2^20 - 1 - id) < 2^52
 MAX_EXPERTS = 1 << 12  # one token's padded logits live in one program's registers
@@ -64,14 +64,6 @@ def _unordered(o):
 
 
 @triton.jit
-def _exp(x, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
-
-
-@triton.jit
 def _topk_routing_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scale,
                          N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr, GS_P: tl.constexpr,
                          TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -85,10 +77,10 @@ def _topk_routing_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scale,
     x = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)
     one = tl.full(x.shape, 1.0, tl.float32)
     if SOFTMAX:
-        ex = _exp(x - tl.max(tl.max(x, 1), 0), INTERPRET)  # padding: exp(-inf) = 0
+        ex = exp_f32(x - tl.max(tl.max(x, 1), 0), not INTERPRET)  # padding: exp(-inf) = 0
         scores = tl.math.div_rn(ex, one * tl.sum(tl.sum(ex, 1), 0))
     else:
-        scores = tl.math.div_rn(one, 1.0 + _exp(-x, INTERPRET))
+        scores = tl.math.div_rn(one, 1.0 + exp_f32(-x, not INTERPRET))
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)

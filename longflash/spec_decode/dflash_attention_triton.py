@@ -44,20 +44,12 @@ import triton.language as tl
 from longflash.attention.ops import DECODE_PIECE_ROWS
 from longflash.spec_decode.dflash_attention import check_block_attention_args
 from longflash.ops.triton_env import interpreting, sm_count
+from longflash.ops.triton_math import dot_acc
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_ROWS = 128
 MAX_SPLITS = 64
 TARGET_PROGRAMS_PER_SM = 4
-
-
-@triton.jit
-def _dot(a, b, c, IEEE: tl.constexpr):
-    """``a @ b + c`` with fp32 accumulation; IEEE fp32 products under ``IEEE``."""
-    if IEEE:
-        return tl.dot(a, b, c, input_precision="ieee")
-    else:
-        return tl.dot(a, b, c)
 
 
 @triton.jit
@@ -86,7 +78,7 @@ def _softmax_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, QDT: tl.constexpr, DOT
                   P_SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
     """One key tile of the online softmax (base 2): q [BLOCK_M, BLOCK_D], k/v [BLOCK_N, BLOCK_D] dot
     operands, ``keep`` [BLOCK_N] visible keys. Returns the updated (m_i, l_i, acc)."""
-    s = _dot(q, tl.trans(k), None, DOT_IEEE) * qk_scale
+    s = dot_acc(q, tl.trans(k), None, DOT_IEEE) * qk_scale
     s = tl.where(keep[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
@@ -99,10 +91,10 @@ def _softmax_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, QDT: tl.constexpr, DOT
         p_lo = _as_operand(p - p_hi.to(tl.float32), QDT, DOT_IEEE, INTERPRET)
         if DOT_IEEE:
             p_hi = p_hi.to(tl.float32)
-        acc = _dot(p_hi, v, acc, DOT_IEEE)
-        acc = _dot(p_lo, v, acc, DOT_IEEE)
+        acc = dot_acc(p_hi, v, acc, DOT_IEEE)
+        acc = dot_acc(p_lo, v, acc, DOT_IEEE)
     else:
-        acc = _dot(_as_operand(p, QDT, DOT_IEEE, INTERPRET), v, acc, DOT_IEEE)
+        acc = dot_acc(_as_operand(p, QDT, DOT_IEEE, INTERPRET), v, acc, DOT_IEEE)
     return m_new, l_i, acc
 
 

@@ -110,7 +110,8 @@ def profile_run(args, spec: str | None, batch: int, out_dir: str) -> dict:
         dev_us = getattr(e, "self_device_time_total", None)
         if dev_us is None:
             dev_us = getattr(e, "self_cuda_time_total", 0)
-        if dev_us and getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+        if (dev_us and not e.key.startswith("phase:") and getattr(e, "device_type", None) is not None
+                and str(e.device_type).endswith("CUDA")):
             kernels.append((e.key, dev_us, e.count))
             gpu_total += dev_us
     kernels.sort(key=lambda k: -k[1])

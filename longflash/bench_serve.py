@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -199,12 +200,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                            args.output_len)]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peak = peak_bandwidth(args, device)  # measured before the server holds the device
-    proc, log_path = None, os.path.join(tempfile.mkdtemp(prefix="longflash-bench-serve-"), "server.log")
+    proc, log_path = None, None
     if args.base_url:
         u = urllib.parse.urlparse(args.base_url)
         host, port = u.hostname or "127.0.0.1", u.port or 80
     else:
         host, port = "127.0.0.1", _free_port()
+        log_path = os.path.join(tempfile.mkdtemp(prefix="longflash-bench-serve-"), "server.log")
         proc = _start_server(args, port, log_path)
         print(f"started `longflash serve` (pid {proc.pid}) on port {port}; log {log_path}", flush=True)
     try:
@@ -235,6 +237,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+            if sys.exc_info()[0] is None:  # the server's log is kept (and named above) only when the run failed
+                shutil.rmtree(os.path.dirname(log_path), ignore_errors=True)
     spec = {k: spec1[k] - spec0[k] for k in spec0}
     spec = spec if spec["num_drafts"] else None
     m = summarize(timings, duration, spec)

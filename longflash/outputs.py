@@ -60,6 +60,8 @@ class CompletionOutput:
     top-N), or None when logprobs were not requested.
     ``finish_reason``: None while running, then "stop" or "length" (or "abort").
     ``stop_reason``: the stop string or stop token id that ended it, if any.
+    ``cumulative_logprob``: the sum of the generated tokens' logprobs (natural log, of the raw model
+        distribution), or None when logprobs were not requested (vLLM's convention).
     """
 
     index: int
@@ -68,6 +70,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

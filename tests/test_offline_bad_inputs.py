@@ -77,3 +77,12 @@ def test_stop_token_text_is_not_in_the_output(llm):
     k = full.token_ids.index(stop_at)
     assert out.token_ids == full.token_ids[:k + 1] and out.stop_reason == stop_at
     assert out.text == llm.get_tokenizer().decode(full.token_ids[:k])
+
+
+def test_cumulative_logprob(llm):
+    """CompletionOutput.cumulative_logprob: the sum of the sampled tokens' logprobs when logprobs are
+    requested, None otherwise (vLLM's convention)."""
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0].outputs[0]
+    want = sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids))
+    assert out.cumulative_logprob == pytest.approx(want) and out.cumulative_logprob < 0
+    assert llm.generate(["def f(x):"], SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None

@@ -732,8 +732,9 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids),
-                                list(seq.output_logprobs) if seq.output_logprobs is not None else None,
-                                seq.finish_reason, seq.stop_reason)
+        lps = seq.output_logprobs
+        cum = None if lps is None else sum(lp[t].logprob for lp, t in zip(lps, seq.output_token_ids))
+        comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), list(lps) if lps is not None else None,
+                                seq.finish_reason, seq.stop_reason, cum)
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [comp], seq.is_finished,
                              seq.metrics, seq.num_cached_tokens)

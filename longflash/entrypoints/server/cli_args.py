@@ -39,6 +39,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
 
 
+def _bind_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (e.g. the port is in use), or None."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return str(e)
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine (printing its start-up report), then serve until SIGINT/SIGTERM."""
     import uvicorn
@@ -56,6 +73,10 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     if not 0 <= args.port <= 65535:
         print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    busy = _bind_error(args.host, args.port)
+    if busy is not None:  # before loading the model, not after it
+        print(f"error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)
         return 2
     try:
         config = engine_config_from_args(args)

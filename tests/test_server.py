@@ -110,6 +110,22 @@ def test_completions_openai_client(server, client):
     assert r2.choices[0].text == choice.text
 
 
+def test_completions_batch_of_prompts(client):
+    """A list of prompts (vLLM): prompt p's n choices are indices p*n .. p*n+n-1, each equal to the same
+    prompt sent alone; usage counts every prompt once; streamed chunks carry those indices."""
+    prompts = ["Hello world, the quick brown", "def fibonacci(n):", "To be, or not to be"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, **GREEDY) for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2, **GREEDY)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 36
+    text = {}
+    for c in client.completions.create(model=MODEL, prompt=prompts[:2], max_tokens=6, stream=True, **GREEDY):
+        for ch in c.choices:
+            text[ch.index] = text.get(ch.index, "") + ch.text
+    assert text == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
+
+
 def test_completions_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="To be, or not", max_tokens=5, logprobs=3, **GREEDY)
     lp = r.choices[0].logprobs
@@ -285,6 +301,10 @@ BAD_INPUTS = [
      "response_format": {"type": "json_object"}}, None, 400, "response_format", "unsupported_field"),
     ("tools_unsupported", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
      "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400, "tools", "unsupported_field"),
+    ("batch_too_large", "/v1/completions", {**OK_COMPLETION, "prompt": ["a", "b", "c"], "n": 50}, None, 400,
+     "prompt", "invalid_value"),
+    ("batch_one_bad_prompt", "/v1/completions", {**OK_COMPLETION, "prompt": [[1, 2], [10**6]]}, None, 400,
+     "prompt", "invalid_value"),
     ("stop_token_out_of_vocab", "/v1/completions", {**OK_COMPLETION, "stop_token_ids": [10**9]}, None, 400,
      "stop_token_ids", "invalid_value"),
 ]

@@ -12,6 +12,7 @@ the engine fails a request (the other requests go on).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -342,9 +343,12 @@ class _Sent:
         self.text = self.tokens = self.text_offset = 0
 
 
-def _usage_of(finals: list) -> dict:
-    """Usage of a request's choices: the prompt once, the completion tokens of every choice."""
-    return usage(len(finals[0].prompt_token_ids), sum(len(f.outputs[0].token_ids) for f in finals))
+def _usage_of(finals: list, n: int | None = None) -> dict:
+    """Usage of a request's choices: each prompt once (a batch of prompts: every ``n``-th choice starts
+    the next prompt's), the completion tokens of every choice."""
+    step = n or len(finals)
+    return usage(sum(len(finals[k].prompt_token_ids) for k in range(0, len(finals), step)),
+                 sum(len(f.outputs[0].token_ids) for f in finals))
 
 
 def _held_back(params: SamplingParams) -> int:
@@ -462,21 +466,33 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         model = srv.check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo", code="invalid_value")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, f"a batch of {len(prompt)} prompts is not supported; send one prompt per "
-                               "request", param="prompt", code="invalid_value")
-            prompt = prompt[0]
+        prompts = req.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # one prompt: a string or a list of token ids
         params = srv.sampling_params(req, req.max_tokens, req.logprobs)
+        if len(prompts) * params.n > MAX_N:
+            raise ApiError(400, f"a batch of {len(prompts)} prompts x n = {params.n} asks for {len(prompts) * params.n} "
+                           f"completions; at most {MAX_N} per request", param="prompt", code="invalid_value")
 
-        def prompt_fn(engine):
-            if isinstance(prompt, str):
-                return engine.tokenize(prompt) if prompt else []
-            return list(prompt)
+        def prompt_fn_of(prompt):
+            def prompt_fn(engine):
+                if isinstance(prompt, str):
+                    return engine.tokenize(prompt) if prompt else []
+                return list(prompt)
+            return prompt_fn
 
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await srv.add(rid, prompt_fn, params, req.max_tokens is None)
+        # A batch of prompts (vLLM): prompt p's n choices are choices p*n .. p*n + n - 1; all or none queued.
+        streams: list[RequestStream] = []
+        try:
+            for p, prompt in enumerate(prompts):
+                child = dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+                streams += await srv.add(rid if len(prompts) == 1 else f"{rid}-{p}", prompt_fn_of(prompt), child,
+                                         req.max_tokens is None)
+        except BaseException:
+            srv.abort(streams)
+            raise
+        n_choices = params.n
         created = int(time.time())
         want_lp = req.logprobs is not None
 
@@ -490,7 +506,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
                 choices.append({"index": i, "text": comp.text, "logprobs": lp, "finish_reason": comp.finish_reason,
                                 "stop_reason": comp.stop_reason})
             return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                    "usage": _usage_of(finals), "system_fingerprint": None}
+                    "usage": _usage_of(finals, n_choices), "system_fingerprint": None}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         hold = _held_back(params)
@@ -518,7 +534,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
                 finals[i] = out
             if include_usage and all(f is not None for f in finals):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage_of(finals)})
+                            "choices": [], "usage": _usage_of(finals, n_choices)})
             yield "data: [DONE]\n\n"
 
         return _stream_with_abort(srv, streams, body)

@@ -34,6 +34,8 @@ class SamplingParams:
             it when positive and multiplied by it otherwise (1 disables it).
         min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many output tokens
             exist (stop strings still apply); 0 <= min_tokens <= max_tokens.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling (after
+            the min_tokens mask, before the penalties, as vLLM's V1 sampler; OpenAI's ``logit_bias``).
     The penalties follow vLLM's ``SamplingParams`` (and OpenAI's API for presence/frequency); the
     sampler applies them in vLLM's order (``runner/sampler.py``).
     Raises:
@@ -56,6 +58,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +128,14 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict token id -> bias, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                if not _is_real(b) or not -100.0 <= b <= 100.0:  # NaN fails the range
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
 
 
 def _is_real(x) -> bool:

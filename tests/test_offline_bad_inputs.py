@@ -86,3 +86,16 @@ def test_cumulative_logprob(llm):
     want = sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids))
     assert out.cumulative_logprob == pytest.approx(want) and out.cumulative_logprob < 0
     assert llm.generate(["def f(x):"], SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None
+
+
+def test_logit_bias_offline_with_and_without_dflash():
+    """logit_bias (after min_tokens, before the penalties; vLLM's order) on the offline API: greedy
+    with +100 on a token emits only it, with DFlash on or off (verify positions use the biased logits);
+    bad keys/values are ValueErrors naming the field."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0, 9: -50})
+    on = LLM(max_num_seqs=2).generate(["def f(x):"], sp)[0].outputs[0].token_ids
+    off = LLM(speculative_config="off", max_num_seqs=2).generate(["def f(x):"], sp)[0].outputs[0].token_ids
+    assert on == off == [7] * 6
+    for bad, match in (({-1: 1.0}, "keys"), ({3: 101}, "values"), ({3: float("nan")}, "values"), ([1], "dict")):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -126,6 +126,19 @@ def test_completions_batch_of_prompts(client):
     assert text == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
 
 
+def test_logit_bias(server):
+    """OpenAI's logit_bias: +100 on one token makes greedy decoding emit only it (the text is that
+    token's), also with another token biased down."""
+    body = {**OK_COMPLETION, "prompt": "def fibonacci(n):", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = _post(server, "/v1/completions", {**body, "logit_bias": {"5": 100}})
+    assert r.status_code == 200, r.text
+    want = httpx.post(server.url + "/detokenize", headers=_headers(), json={"tokens": [5] * 4}).json()["prompt"]
+    assert r.json()["choices"][0]["text"] == want
+    both = _post(server, "/v1/completions", {**body, "logit_bias": {"5": -100, "6": 100}}).json()
+    want6 = httpx.post(server.url + "/detokenize", headers=_headers(), json={"tokens": [6] * 4}).json()["prompt"]
+    assert both["choices"][0]["text"] == want6
+
+
 def test_completions_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="To be, or not", max_tokens=5, logprobs=3, **GREEDY)
     lp = r.choices[0].logprobs
@@ -295,8 +308,14 @@ BAD_INPUTS = [
      {"Authorization": "Bearer nope"}, 401, None, "invalid_api_key"),
     ("unknown_route", "/v1/embeddings", OK_COMPLETION, None, 404, None, "not_found"),
     ("detokenize_out_of_vocab", "/detokenize", {"tokens": [10**6]}, None, 400, "tokens", "invalid_value"),
-    ("logit_bias_unsupported", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"5": 100}}, None, 400,
-     "logit_bias", "unsupported_field"),
+    ("logit_bias_bad_key", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"abc": 1}}, None, 400,
+     "logit_bias", "invalid_value"),
+    ("logit_bias_out_of_range", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"5": 200}}, None, 400,
+     "logit_bias", "invalid_value"),
+    ("logit_bias_out_of_vocab", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"1000000": 1}}, None, 400,
+     "logit_bias", "invalid_value"),
+    ("suffix_unsupported", "/v1/completions", {**OK_COMPLETION, "suffix": "x"}, None, 400, "suffix",
+     "unsupported_field"),
     ("response_format_json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
      "response_format": {"type": "json_object"}}, None, 400, "response_format", "unsupported_field"),
     ("tools_unsupported", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],

@@ -470,6 +470,9 @@ class LLMEngine:
                                  f"got {type(prompt).__name__}")
             ids = [int(t) for t in prompt]
         params.validate()
+        bad_bias = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")

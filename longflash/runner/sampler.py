@@ -17,12 +17,12 @@ from longflash.sampling_params import SamplingParams
 def needs_logits_processing(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when ``process_logits`` changes this request's logits at its next position: a penalty is
     set, or fewer than ``min_tokens`` output tokens exist. False keeps the plain (free) path."""
-    return params.has_penalties or num_output_tokens < params.min_tokens
+    return params.has_penalties or num_output_tokens < params.min_tokens or bool(params.logit_bias)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_token_ids: list[int],
                    output_token_ids: list[int], draft_token_ids: list[int], eos_token_ids: set[int]) -> torch.Tensor:
-    """The min_tokens mask and the penalties for the rows of one request's verify step.
+    """The min_tokens mask, the logit bias and the penalties for the rows of one request's verify step.
 
     Row k scores the position after ``output_token_ids + draft_token_ids[:k]``: under speculative
     decoding the target reaches row k only when drafts 1..k were accepted, so they count as output
@@ -52,6 +52,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_token_id
     if params.min_tokens:
         apply_min_tokens(logits, len(output_token_ids), params.min_tokens,
                          set(eos_token_ids) | set(params.stop_token_ids))
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if t < vocab]
+        if ids:
+            bias = torch.tensor([float(params.logit_bias[t]) for t in ids], dtype=torch.float32, device=logits.device)
+            logits[:, ids] += bias
     if params.has_penalties:
         counts = output_token_counts(output_token_ids, draft_token_ids[:rows - 1], rows, vocab, logits.device)
         apply_penalties(logits, prompt_token_ids, counts, params.repetition_penalty, params.frequency_penalty,

@@ -42,7 +42,7 @@ logger = logging.getLogger("longflash.server")
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs", "stop", "seed", "n",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "logit_bias",
                  "ignore_eos", "skip_special_tokens")
 MAX_N = 128  # completions per request; each is an engine request
 
@@ -63,6 +63,19 @@ def _sse(obj: Any) -> str:
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with int keys; ValueError naming the field
+    for a key that is not a token id."""
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        if not k.strip().lstrip("-").isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+        out[int(k)] = v
+    return out
 
 
 def _unavailable_code(e: EngineRequestError) -> str:
@@ -223,7 +236,8 @@ class _Server:
                                   skip_special_tokens=req.skip_special_tokens, n=req.n,
                                   presence_penalty=pick("presence_penalty", 0.0),
                                   frequency_penalty=pick("frequency_penalty", 0.0),
-                                  repetition_penalty=pick("repetition_penalty", 1.0), min_tokens=req.min_tokens)
+                                  repetition_penalty=pick("repetition_penalty", 1.0), min_tokens=req.min_tokens,
+                                  logit_bias=_logit_bias(req.logit_bias))
         except ValueError as e:
             raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
 

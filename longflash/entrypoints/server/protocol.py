@@ -1,8 +1,8 @@
 """Request models (pydantic, strict types) and response builders in the OpenAI shapes.
 
 Unknown request fields are ignored (as vLLM does); a wrong type is a 400 naming the field. OpenAI fields
-that would change the output but are not implemented (``logit_bias``, ``response_format`` other than
-text, ``tools`` / ``functions``, ``suffix``) are a 400 naming the field, never silently ignored.
+that would change the output but are not implemented (``response_format`` other than text, ``tools`` /
+``functions``, ``suffix``) are a 400 naming the field, never silently ignored.
 Responses are plain dicts built by the functions below (the OpenAI JSON shapes).
 """
 
@@ -45,6 +45,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
     user: str | None = None
 
     @model_validator(mode="before")
@@ -55,7 +56,6 @@ class _SamplingRequest(_Strict):
         if isinstance(data, dict):
             rf = data.get("response_format")
             unsupported = {
-                "logit_bias": bool(data.get("logit_bias")),
                 "response_format": rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
                 "tools": bool(data.get("tools")),
                 "functions": bool(data.get("functions")),

@@ -241,39 +241,38 @@ class _Server:
         except ValueError as e:
             raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
 
-    async def add(self, request_id: str, prompt_fn: Callable[[Any], list[int]], params: SamplingParams,
-                  default_max_tokens: bool) -> list[RequestStream]:
+    async def add(self, request_id: str, prompt_fn: Callable[[Any], list[int]] | list[Callable[[Any], list[int]]],
+                  params: SamplingParams, default_max_tokens: bool) -> list[RequestStream]:
         """Queue a request whose token ids ``prompt_fn(engine)`` computes (once) on the engine thread:
         ``params.n`` engine requests (``parallel_sampling.py``), one stream each, choice i = stream i.
-        Raises ApiError 400 for input the engine rejects (nothing stays queued)."""
-        children = child_params(params)
-        prompt_ids: list[list[int]] = []
+        A list of prompt functions (a batch of prompts) queues ``params.n`` requests per prompt, prompt p's
+        choices at ``p * n .. p * n + n - 1``. Everything is queued by one engine-thread command (before
+        the next step), or nothing: raises ApiError 400 for input the engine rejects."""
+        fns = prompt_fn if isinstance(prompt_fn, list) else [prompt_fn]
+        items = []
+        for p, fn in enumerate(fns):
+            rid = request_id if len(fns) == 1 else f"{request_id}-{p}"
+            prompt_ids: list[list[int]] = []  # prompt p's ids, computed once for its n choices
 
-        def build_for(child: SamplingParams):
-            def build(engine):
-                if not prompt_ids:
-                    prompt_ids.append(prompt_fn(engine))
-                ids = list(prompt_ids[0])
-                if default_max_tokens:  # vLLM's default: the rest of the context window
-                    child.max_tokens = max(engine.max_model_len - len(ids), 1)
-                return {"prompt_token_ids": ids}, child
-            return build
+            def build_for(child: SamplingParams, fn=fn, prompt_ids=prompt_ids):
+                def build(engine):
+                    if not prompt_ids:
+                        prompt_ids.append(fn(engine))
+                    ids = list(prompt_ids[0])
+                    if default_max_tokens:  # vLLM's default: the rest of the context window
+                        child.max_tokens = max(engine.max_model_len - len(ids), 1)
+                    return {"prompt_token_ids": ids}, child
+                return build
 
-        streams: list[RequestStream] = []
+            children = child_params(dataclasses.replace(params, stop=list(params.stop),
+                                                        stop_token_ids=list(params.stop_token_ids)))
+            items += [(cid, build_for(child)) for cid, child in zip(child_request_ids(rid, len(children)), children)]
         try:
-            # one engine-thread command for all n choices: queued before the next step, or none
-            streams = await self.ae.add_requests([(cid, build_for(child)) for cid, child in
-                                                  zip(child_request_ids(request_id, len(children)), children)])
+            return await self.ae.add_requests(items)
         except ValueError as e:
-            self.abort(streams)
             raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
         except EngineRequestError as e:
-            self.abort(streams)
             raise ApiError(503, str(e), code=_unavailable_code(e)) from None
-        except BaseException:
-            self.abort(streams)
-            raise
-        return streams
 
     def abort(self, streams: list[RequestStream]) -> None:
         """Abort the streams' requests that have not finished (fire and forget)."""
@@ -496,16 +495,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             return prompt_fn
 
         rid = f"cmpl-{uuid.uuid4().hex}"
-        # A batch of prompts (vLLM): prompt p's n choices are choices p*n .. p*n + n - 1; all or none queued.
-        streams: list[RequestStream] = []
-        try:
-            for p, prompt in enumerate(prompts):
-                child = dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
-                streams += await srv.add(rid if len(prompts) == 1 else f"{rid}-{p}", prompt_fn_of(prompt), child,
-                                         req.max_tokens is None)
-        except BaseException:
-            srv.abort(streams)
-            raise
+        # A batch of prompts (vLLM): prompt p's n choices are choices p*n .. p*n + n - 1; one command queues all.
+        streams = await srv.add(rid, [prompt_fn_of(p) for p in prompts], params, req.max_tokens is None)
         n_choices = params.n
         created = int(time.time())
         want_lp = req.logprobs is not None

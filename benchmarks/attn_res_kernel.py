@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ sys.path.insert(0, REPO)
 from longflash.layers import attn_res_triton  # noqa: E402
 from longflash.layers.attn_res import attn_res_mix_reference  # noqa: E402
 from longflash.layers.attn_res_triton import attn_res_mix_triton  # noqa: E402
+from gpu_timing import copy_gbps, graph_seconds as graph_time, kernel_count  # noqa: E402
 
 EPS = 1e-5
 # (H, S values, T values, extra tiles (BLOCK_H, BLOCK_ROWS, num_warps) timed at the listed T)
@@ -57,54 +57,10 @@ GPU_SHAPES = [(256, (2, 5), (1, 8, 16, 128), [(256, 16, 4), (256, 4, 2)], (16, 1
 SMOKE_SHAPES = [(48, (2, 5), (1, 3), [(64, 1, 1)], (3,)), (80, (3,), (2,), [], ())]
 
 
-def graph_time(fn, calls: int, replays: int) -> float:
-    """Seconds per call of ``fn``: ``calls`` back-to-back calls captured in one CUDA graph, median over
-    ``replays`` replays of the replay time / calls."""
-    fn()
-    torch.cuda.synchronize()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        fn()
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    del g
-    return statistics.median(times)
 
 
-def count_launches(fn) -> int:
-    """GPU kernels (and memcpy/memset) launched by one eager call of ``fn``; -1 if the profiler fails."""
-    fn()
-    torch.cuda.synchronize()
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    except Exception as e:  # counting is informative only; the timings do not depend on it
-        print(f"launch count failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return -1
 
 
-def copy_GBps(nbytes: int, dev, replays: int) -> float:
-    """Device copy bandwidth (bytes read + written / s) of a ``nbytes / 2`` copy, timed like the kernels."""
-    n = nbytes // 2 // 16 * 16
-    src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
-    dst = torch.empty_like(src)
-    return 2 * n / graph_time(lambda: dst.copy_(src), 4, replays) / 1e9
 
 
 def steps(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -136,7 +92,7 @@ def main():
     dtype = torch.bfloat16 if cuda else torch.float16  # (the interpreter's fp32 -> bf16 cast truncates)
     shapes = GPU_SHAPES if cuda else SMOKE_SHAPES
     t0 = time.time()
-    copy = copy_GBps(1 << 30, dev, args.replays) if cuda else None
+    copy = copy_gbps(dev, 1 << 30, args.replays) if cuda else None
     rows, launches = [], {}
     for H, S_list, T_list, tiles, tile_T in shapes:
         for S in S_list:
@@ -155,8 +111,8 @@ def main():
                 t_ref = graph_time(lambda: attn_res_mix_reference(src, gw, w, EPS, out=out), calls,
                                    args.replays) if cuda else None
                 if cuda and (H, S) not in launches:
-                    launches[(H, S)] = (count_launches(lambda: attn_res_mix_reference(src, gw, w, EPS, out=out)),
-                                        count_launches(lambda: attn_res_mix_triton(src, gw, w, EPS, out=out)))
+                    launches[(H, S)] = (kernel_count(lambda: attn_res_mix_reference(src, gw, w, EPS, out=out)),
+                                        kernel_count(lambda: attn_res_mix_triton(src, gw, w, EPS, out=out)))
                 for name, fn, tile in variants:
                     got = fn(src, gw, w, EPS, out=out)
                     r = dict(H=H, S=S, T=T, variant=name, tile=list(tile), bytes=nbytes, steps_vs_reference=steps(got, ref))

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -51,44 +50,18 @@ from longflash.layers.activation import silu_and_mul_ref, situ_and_mul_ref  # no
 from longflash.layers.activation_triton import silu_and_mul_triton, situ_and_mul_triton  # noqa: E402
 from longflash.layers.rotary import RotaryEmbedding  # noqa: E402
 from longflash.layers.rotary_triton import rotate_qk_triton  # noqa: E402
+from gpu_timing import copy_gbps, graph_seconds  # noqa: E402
 
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 DSV3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def graph_seconds(fn, calls: int, replays: int) -> float:
-    """Median seconds per call of ``fn`` captured ``calls`` times in one CUDA graph (CPU: one wall-clock call)."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    del g
-    return statistics.median(times)
 
 
 def copy_ceiling(dev) -> dict:
-    n = (1 << 30) if dev.type == "cuda" else (1 << 20)
-    src = torch.empty(n, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t = graph_seconds(lambda: dst.copy_(src), 3, ARGS.replays)
-    return {"bytes": 2 * n, "GBps": 2 * n / t / 1e9}
+    nbytes = (2 << 30) if dev.type == "cuda" else (2 << 20)
+    return {"bytes": nbytes, "GBps": copy_gbps(dev, nbytes, ARGS.replays)}
 
 
 def rope_error(rot, x, got, pos) -> dict:

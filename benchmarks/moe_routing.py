@@ -28,7 +28,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -57,6 +56,7 @@ sys.path.insert(0, REPO)
 from longflash.layers.moe import TopkRouter, topk_routing  # noqa: E402
 from longflash.layers.moe_grouped import align_by_expert, expert_align  # noqa: E402
 from longflash.layers.moe_router_triton import topk_routing_triton  # noqa: E402
+from gpu_timing import copy_gbps, graph_seconds, kernel_count  # noqa: E402
 
 # name, H, E, k, n_group, topk_group, routed_scaling_factor
 MODELS = [("default", 256, 8, 2, 1, 1, 1.0), ("deepseek_v3", 7168, 256, 8, 8, 4, 2.5),
@@ -70,70 +70,10 @@ def log(msg):
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
-def graph_time(fn, dev) -> float:
-    """Median seconds per call: --calls calls captured in one CUDA graph (CPU: one wall-clock call)."""
-    if dev.type != "cuda":
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(ARGS.calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(ARGS.replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / ARGS.calls)
-    del g
-    return statistics.median(times)
 
 
-def kernel_count(fn, dev):
-    """CUDA kernels one eager call launches (None on the CPU or when the profiler fails)."""
-    if dev.type != "cuda":
-        return None
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    except Exception as e:  # noqa: BLE001 - a count is a nicety, not a result
-        log(f"profiler failed: {type(e).__name__}: {e}")
-        return None
 
 
-def copy_bandwidth(dev) -> float | None:
-    """Bytes/s of a 1 GiB device copy (read + write), median of 10 (events)."""
-    if dev.type != "cuda":
-        return None
-    n = 2**30
-    a, b = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
-    b.copy_(a)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * n / statistics.median(times)
 
 
 def compare(got, ref) -> dict:
@@ -183,8 +123,8 @@ def bench_model(name, H, E, k, ng, tg, scale, dev, copy_bps, tokens) -> list[dic
                                                      E, BLOCK_M),
                 "chain_fused": lambda: expert_align(router(x)[1], E, BLOCK_M),
             }
-            t = {key: graph_time(fn, dev) for key, fn in fns.items()}
-            n = {key: kernel_count(fn, dev) if T == tokens[0] else None for key, fn in fns.items()}
+            t = {key: graph_seconds(fn, ARGS.calls, ARGS.replays) for key, fn in fns.items()}
+            n = {key: kernel_count(fn) if T == tokens[0] else None for key, fn in fns.items()}
         kernel_bytes = T * E * 4 + E * 4 + T * k * 12
         row = dict(model=name, T=T, E=E, k=k, n_group=ng, topk_group=tg, **{f"{key}_us": v * 1e6 for key, v in t.items()},
                    **{f"{key}_kernels": v for key, v in n.items()},
@@ -210,7 +150,7 @@ def warps_sweep(name, H, E, k, ng, tg, scale, dev, tokens) -> list[dict]:
         for w in (1, 2, 4, 8):
             got = topk_routing_triton(logits, bias, k, ng, tg, True, scale, num_warps=w)
             same = bool(torch.equal(got[1], ref[1]))
-            us = graph_time(lambda: topk_routing_triton(logits, bias, k, ng, tg, True, scale, num_warps=w), dev) * 1e6
+            us = graph_seconds(lambda: topk_routing_triton(logits, bias, k, ng, tg, True, scale, num_warps=w), ARGS.calls, ARGS.replays) * 1e6
             out.append(dict(model=name, T=T, num_warps=w, us=us, ids_equal_default=same))
     return out
 
@@ -219,7 +159,7 @@ def main():
     dev = torch.device("cpu" if ARGS.smoke or not torch.cuda.is_available() else "cuda")
     models = SMOKE_MODELS if ARGS.smoke else MODELS
     tokens = [1, 8] if ARGS.smoke else ARGS.tokens
-    copy_bps = copy_bandwidth(dev)
+    copy_bps = copy_gbps(dev) * 1e9 if dev.type == "cuda" else None  # bytes/s
     log(f"device {dev}; copy {copy_bps / 1e12 if copy_bps else float('nan'):.2f} TB/s")
     rows, sweep = [], []
     for m in models:

@@ -30,6 +30,7 @@ import sys
 import pytest
 import torch
 
+from interpreter_run import run_interpreted
 from longflash.spec_decode import dflash_attention as da
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,14 +235,7 @@ print("RESULT" + json.dumps(res))
 
 @pytest.fixture(scope="module")
 def interp_results():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return run_interpreted(_SCRIPT)
 
 
 def test_case_check_bounds():

@@ -17,13 +17,10 @@ and here for other random data (0.25). The −inf LSE pattern must match exactly
 outputs be exactly 0.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from interpreter_run import run_interpreted
 
 _SCRIPT = r"""
 import json, os
@@ -157,15 +154,7 @@ print("RESULT" + json.dumps(res))
 
 @pytest.fixture(scope="module")
 def interp_results():
-    pytest.importorskip("triton")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return run_interpreted(_SCRIPT)
 
 
 def _case_problems(r: dict, fp32: bool) -> list[str]:

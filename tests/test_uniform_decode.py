@@ -175,7 +175,7 @@ def test_uniform_forwards_never_read_device_values(monkeypatch):
     q = uniform_query_len(sched.scheduled)
     reads = _HostReads()
     with torch.inference_mode():
-        seq_lens, ctx_lens = runner._fill(sched.scheduled, q, 4)
+        seq_lens, ctx_lens = runner._fill(runner.plan(sched.scheduled, q), 4)
         drafter._fill(reqs, 4)
         with reads.mode:
             runner._forward(runner._context(4, q, runner.capacity, seq_lens + [q], ctx_lens + [0]), engine.proposer)

@@ -115,7 +115,7 @@ class MLAAttention(nn.Module):
         out = x.new_empty(T, self.num_heads, self.v_head_dim)
         w_uk, w_uv = self._w_uk_uv()
         qsl = ctx.query_start_loc_cpu
-        if ctx.uniform_decode and get_parallel_state().dcp_size == 1:  # one batched sync-free call (CUDA graphs)
+        if ctx.uniform_decode:  # one batched sync-free call (CUDA graphs)
             out = self._decode_uniform(q_nope, q_pe, ctx, w_uk, w_uv)
             decode_reqs = []
         else:
@@ -175,12 +175,28 @@ class MLAAttention(nn.Module):
     def _decode_uniform(self, q_nope, q_pe, ctx, w_uk, w_uv) -> torch.Tensor:
         """Absorbed attention of a uniform decode/verify step ([T, H, v_head_dim]): every request has
         ``ctx.max_query_len`` queries; the decode op reads ``query_start_loc``/``seq_lens`` as device
-        tensors with the host bounds ``max_query_len``/``max_seq_len`` (no device -> host sync)."""
+        tensors with the host bounds ``max_query_len``/``max_seq_len`` (no device -> host sync).
+        Under DCP, as :meth:`_decode` (query heads all-gathered over the DCP group, attention over this
+        rank's shard, LSE combine reduce-scattered back to this rank's heads), with the shard's lengths
+        computed on the device (``dcp.dcp_rank_local_lens`` of the sequence lengths, and of each query's
+        position + 1 for what it sees) and the host bound ``dcp_padded_local_len(max_seq_len)``."""
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         q_abs = torch.cat([q_lat, q_pe], dim=-1)
-        o_lat, _ = decode_op(self.kv_cache)(
-            q_abs, self.kv_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens, self.scale, self.kv_lora_rank,
-            self._k_scale(), max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
+        ps = get_parallel_state()
+        op = decode_op(self.kv_cache)
+        if ps.dcp_size == 1:
+            o_lat, _ = op(q_abs, self.kv_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens, self.scale,
+                          self.kv_lora_rank, self._k_scale(), max_query_len=ctx.max_query_len,
+                          max_seq_len=ctx.max_seq_len)
+            return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+        R, r, I = ps.dcp_size, ps.dcp_rank, ps.cp_kv_cache_interleave_size
+        q_all = ps.dcp.all_gather(q_abs, dim=1)
+        local = dcp_ops.dcp_rank_local_lens(ctx.seq_lens, R, r, I)
+        visible = dcp_ops.dcp_rank_local_lens(ctx.positions + 1, R, r, I).to(torch.int32)
+        o, lse = op(q_all, self.kv_cache, ctx.block_table, ctx.query_start_loc, local, self.scale, self.kv_lora_rank,
+                    self._k_scale(), max_query_len=ctx.max_query_len,
+                    max_seq_len=dcp_ops.dcp_padded_local_len(ctx.max_seq_len, R, I), visible_lens=visible)
+        o_lat, _ = dcp_ops.dcp_decode_combine_group(o, lse, ps.dcp, scatter_heads=True)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def _prefill(self, q_nope, q_pe, kv_c, k_pe, reqs: list[int], ctx, out: torch.Tensor, kernels) -> None:

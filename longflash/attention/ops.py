@@ -203,7 +203,8 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          query_start_loc: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor, scale: float,
                          kv_lora_rank: int, k_scale: float | torch.Tensor | None = None,
                          max_rows_per_piece: int = DECODE_PIECE_ROWS, *, max_query_len: int | None = None,
-                         max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         max_seq_len: int | None = None,
+                         visible_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention over a paged latent cache, multi-token causal queries allowed.
 
     Args:
@@ -218,6 +219,10 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         seq_lens: B, cached tokens per request (the queries' own rows included).
         scale: softmax scale.
         max_query_len / max_seq_len: host-side bounds for tensor lengths (below).
+        visible_lens: optional [T] int tensor on q's device: query t sees the request's first
+            ``visible_lens[t]`` rows instead of the causal rule (a DCP rank's local shard,
+            ``distributed.dcp.dcp_rank_local_lens`` of the positions + 1); ``seq_lens`` are then the
+            rows scanned. Lists are then taken as tensors (the padded path below).
     Returns:
         out [T, H, kv_lora_rank] in q's dtype (multiply by W_UV next), lse [T, H] fp32.
 
@@ -228,12 +233,20 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     block-table entry of -1 is read as block 0 and masked likewise.
     """
     T, H, _ = q.shape
+    if visible_lens is not None and not isinstance(seq_lens, torch.Tensor):
+        if max_seq_len is None:
+            max_seq_len = max(seq_lens, default=0)
+        if max_query_len is None:
+            max_query_len = max((e - s for s, e in zip(query_start_loc[:-1], query_start_loc[1:])), default=0)
+        query_start_loc = torch.tensor(query_start_loc, dtype=torch.int32, device=q.device)
+        seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
     if isinstance(seq_lens, torch.Tensor):
         def planes(start, n):
             kv = gather_padded_rows(kv_cache, block_table, start, n, q.dtype, k_scale)[:, :, None, :]
             return kv, kv[..., :kv_lora_rank]
         return _padded_attention(q, query_start_loc, seq_lens, scale, planes, kv_cache.shape[1],
-                                 block_table.shape[1], max_query_len, max_seq_len, max_rows_per_piece)
+                                 block_table.shape[1], max_query_len, max_seq_len, max_rows_per_piece,
+                                 visible_lens)
     out = q.new_zeros(T, H, kv_lora_rank)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     for b in range(len(seq_lens)):
@@ -329,14 +342,15 @@ def gather_padded_rows(cache: torch.Tensor, block_table: torch.Tensor, start: in
 
 def _padded_attention(q: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, planes,
                       block_size: int, max_blocks: int, max_query_len: int | None, max_seq_len: int | None,
-                      max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      max_rows: int, visible_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal paged attention with device-tensor lengths and host bounds (no device sync).
 
     q [T, H, D]; ``planes(start, n)`` -> keys [B, n, G, D], values [B, n, G, Dv] of positions
     [start, start + n) (G kv heads, head h reads group h // (H / G)). Queries go to a padded
     [B, max_query_len] layout; query j of request b sits at position ``seq_lens[b] - q_len_b + j``
-    and sees keys at positions <= it. Pieces of at most ``max_rows`` rows are merged by LSE as in the
-    list path. Returns out [T, H, Dv] in q's dtype, lse [T, H] fp32.
+    and sees keys at positions <= it (with ``visible_lens`` [T]: keys at positions < visible_lens[t]).
+    Pieces of at most ``max_rows`` rows are merged by LSE as in the list path. Returns out [T, H, Dv]
+    in q's dtype, lse [T, H] fp32.
     """
     T, H, D = q.shape
     B = seq_lens.numel()
@@ -348,6 +362,8 @@ def _padded_attention(q: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: 
     req = torch.searchsorted(qsl[1:], t, right=True)
     j = t - qsl[req]
     pos = seq_lens.long()[req] - (qsl[req + 1] - qsl[req]) + j
+    if visible_lens is not None:
+        pos = visible_lens.long() - 1   # the last visible key row
     slot = req * Mq + j
     qp = q.new_zeros(B * Mq, H, D).index_copy_(0, slot, q)
     qpos = torch.full((B * Mq,), -1, dtype=torch.long, device=dev).index_copy_(0, slot, pos).view(B, Mq)

@@ -91,6 +91,13 @@ def dcp_local_seq_lens(seq_lens: torch.Tensor | list[int], dcp_size: int, interl
     return base[:, None] + (rem[:, None] - r[None, :] * interleave).clamp(0, interleave)
 
 
+def dcp_rank_local_lens(lens: torch.Tensor, dcp_size: int, dcp_rank: int, interleave: int = 1) -> torch.Tensor:
+    """Rank ``dcp_rank``'s column of :func:`dcp_local_seq_lens`, elementwise on ``lens``' device and
+    dtype (no host copy: the form a CUDA graph captures). lens: any int tensor of global lengths."""
+    base = lens // interleave // dcp_size * interleave
+    return base + (lens - base * dcp_size - dcp_rank * interleave).clamp(0, interleave)
+
+
 def dcp_padded_local_len(context_len: int, dcp_size: int, interleave: int = 1) -> int:
     """Rows every rank gathers for a context of ``context_len`` tokens: ``cdiv(L, dcp·I)·I``, the largest
     local length (spec: "per-rank padded length"); rows past a rank's true local length are garbage."""

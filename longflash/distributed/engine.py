@@ -158,7 +158,4 @@ def start_dcp(engine) -> DCPModelRunner:
                 "interleave %d", world, cfg.decode_context_parallel_size, world,
                 "torchrun" if env is not None else "local processes", comm.backend(), engine.device,
                 cfg.cp_kv_cache_interleave_size)
-    if engine.device.type == "cuda":
-        logger.info("CUDA graphs and uniform decode steps are off under tensor parallelism (eager steps; "
-                    "capture under NCCL is not wired yet)")
     return runner

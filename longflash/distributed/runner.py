@@ -9,6 +9,13 @@ the same logit rows as rank 0) and its own KV shard: logical blocks cover
 rank stores its positions in its physical block of the same id (``dcp.dcp_slot_mapping``). MLA layers
 read the DCP group from ``comm.get_parallel_state()``.
 
+Uniform decode steps (every request decodes one token; DFlash off) run on persistent inputs and, on
+GPUs, from CUDA graphs on every rank: rank 0 posts :class:`EnableUniform` once and
+:class:`CaptureGraphs` when it captures (every rank captures the same (query length, bucket) graphs in
+the same order, so the NCCL collectives inside them pair up), then each step's
+:class:`UniformStep` (the planned host arrays and whether to replay a graph); every rank fills its own
+inputs (its shard's slots, ``shard_slot_mapping``) and runs the same forward.
+
 DFlash under DCP (``docs/dcp.md``): every rank holds a *replicated* draft pool (all
 ``block_size * dcp_size`` tokens of a logical block, single-process slots on logical blocks) and
 runs the drafter SPMD (the drafter uses the target's embedding and LM head, collectives under
@@ -25,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from longflash.distributed.comm import ParallelState, StepChannel
 from longflash.distributed.dcp import check_dcp_args, dcp_slot_mapping
 from longflash.runner.context import ForwardContext, set_forward_context
-from longflash.runner.model_runner import ModelRunner
+from longflash.runner.cuda_graph import GraphCapturer, UniformBatch, prepare_uniform_model
+from longflash.runner.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger("longflash")
 
@@ -49,6 +58,44 @@ class DraftMirror:
     commits: list[tuple[int, int]]
     requests: list[tuple[int, int, int, list[int]]]
     capture: bool = False
+
+
+@dataclasses.dataclass
+class EnableUniform:
+    """Rank 0 turned on uniform decode steps (``ModelRunner.enable_uniform_decode`` arguments; with
+    CUDA graphs when ``cuda_graphs``): workers prepare their model the same way and do the same."""
+
+    max_model_len: int
+    max_num_seqs: int
+    query_lens: list[int]
+    cuda_graphs: bool
+
+
+@dataclasses.dataclass
+class CaptureGraphs:
+    """Rank 0 captures its decode graphs now: every rank captures the same ones, in the same order."""
+
+
+@dataclasses.dataclass
+class UniformStep:
+    """One uniform decode step: the planned requests, whether rank 0 replays a graph, and the rows
+    the batch is padded to (``DecodeGraphRunner.mode``)."""
+
+    batch: UniformBatch
+    graph: bool
+    rows: int
+
+
+def shard_slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int, dcp_size: int,
+                       dcp_rank: int, interleave: int = 1) -> np.ndarray:
+    """Host form of :func:`dcp.dcp_slot_mapping` for a uniform step: positions [B, q] (int64) through
+    block_table [B, n] (logical block ids) to this rank's cache slots [B, q] (int64; -1 where another
+    rank owns the position). ``block_size`` is the physical (per-rank) block size."""
+    vbs = block_size * dcp_size
+    blk = np.take_along_axis(block_table, positions // vbs, axis=1).astype(np.int64)
+    vo = positions % vbs
+    local = (vo // (dcp_size * interleave)) * interleave + vo % interleave
+    return np.where((vo // interleave) % dcp_size == dcp_rank, blk * block_size + local, -1)
 
 
 class DCPModelRunner(ModelRunner):
@@ -114,7 +161,46 @@ class DCPModelRunner(ModelRunner):
     def execute(self, sched, all_logits: bool = False, tapper=None, proposer=None):
         self._capture = proposer is not None
         self._all_logits = all_logits  # the workers compute the same logit rows (vocab-parallel LM head)
+        dr = self.decode_runner
+        if dr is not None and tapper is None and not all_logits and proposer is None:
+            q = dr.query_len(sched)
+            if q is not None:  # a uniform step: every rank runs it on persistent inputs (graph or not)
+                batch = dr.plan(sched.scheduled, q)
+                graph, rows = dr.mode(batch.num_reqs, q)
+                self.channel.post(UniformStep(batch, graph, rows))
+                logits, ctx, _, _ = dr.run_batch(batch, graph, rows)
+                return StepResult(logits, dr.spans(sched.scheduled, q), ctx)
         return super().execute(sched, all_logits, tapper, proposer)
+
+    def enable_uniform_decode(self, max_model_len: int, max_num_seqs: int, query_lens: list[int],
+                              capturer=None) -> None:
+        """``ModelRunner.enable_uniform_decode`` on every rank (rank 0 posts :class:`EnableUniform`);
+        the steps' cache slots are this rank's shard's."""
+        if self.channel.group.is_first_rank:
+            self.channel.post(EnableUniform(max_model_len, max_num_seqs, list(query_lens), capturer is not None))
+        super().enable_uniform_decode(max_model_len, max_num_seqs, query_lens, capturer)
+        ps = self.parallel
+        self.decode_runner.slot_mapping = lambda bt, pos: shard_slot_mapping(
+            bt, pos, self.physical_block_size, ps.dcp_size, ps.dcp_rank, ps.cp_kv_cache_interleave_size)
+
+    def capture_graphs(self, proposer=None) -> None:
+        """Capture the decode graphs on every rank (rank 0 posts :class:`CaptureGraphs`). The ranks then
+        agree (over the CPU group): if capture failed anywhere, every rank drops its graphs and runs
+        the same steps eagerly; rank 0 raises so the engine logs it."""
+        first = self.channel.group.is_first_rank
+        if first:
+            self.channel.post(CaptureGraphs())
+        error = None
+        try:
+            self.decode_runner.capture(proposer)
+        except Exception as e:  # noqa: BLE001 — agreed on below
+            error = e
+            logger.exception("rank %d: CUDA graph capture failed", self.parallel.tp_rank)
+        failed = self.channel.group.all_reduce(torch.tensor([int(error is not None)]), op="max")
+        if int(failed):
+            self.decode_runner.graphs = {}
+            if first:
+                raise RuntimeError("CUDA graph capture failed on a rank") from error
 
     def prepare(self, sched):
         input_ids, ctx, spans = super().prepare(sched)
@@ -161,6 +247,18 @@ class DCPModelRunner(ModelRunner):
             if isinstance(msg, DraftMirror):  # draft with rank 0
                 self._write_commits(msg.commits)
                 self._check_drafts(self.proposer.propose(msg.requests))
+                continue
+            if isinstance(msg, UniformStep):
+                self.decode_runner.run_batch(msg.batch, msg.graph, msg.rows)
+                continue
+            if isinstance(msg, EnableUniform):
+                if self.device.type == "cuda":
+                    prepare_uniform_model(self.model)
+                self.enable_uniform_decode(msg.max_model_len, msg.max_num_seqs, msg.query_lens,
+                                           GraphCapturer(self.device) if msg.cuda_graphs else None)
+                continue
+            if isinstance(msg, CaptureGraphs):
+                self.capture_graphs()  # a worker never raises: a failure anywhere drops every rank's graphs
                 continue
             input_ids, ctx, mirror = msg
             if mirror is not None:

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from longflash.config import EngineConfig, resolve_dtype
 from longflash.distributed import comm, placement
@@ -18,9 +17,9 @@ from longflash.engine.block_manager import BlockManager
 from longflash.engine.scheduler import Scheduler
 from longflash.engine.sequence import Sequence
 from longflash.engine.stop_checker import StopChecker
-from longflash.layers.mlp import GatedMLP
 from longflash.models.loader import load_model
 from longflash.outputs import CompletionOutput, RequestOutput
+from longflash.runner.cuda_graph import prepare_uniform_model
 from longflash.runner.model_runner import ModelRunner
 from longflash.runner.sampler import compute_logprobs, needs_logits_processing, process_logits, sample_token
 from longflash.sampling_params import SamplingParams
@@ -207,10 +206,14 @@ class LLMEngine:
         return proposer
 
     def _setup_uniform_decode(self) -> bool:
-        """On a GPU (one process, no KDA layers): :meth:`enable_uniform_decode`, with CUDA graphs
-        unless ``enforce_eager``. Returns True while graph capture is pending (fp8 KV scales are
-        calculated from the first forward and baked into the graphs)."""
-        if self.device.type != "cuda" or self.config.tensor_parallel_size > 1 or self.runner.state_pool is not None:
+        """On a GPU (no KDA layers; under tensor parallelism without DFlash, whose drafter mirrors run
+        eagerly): :meth:`enable_uniform_decode`, with CUDA graphs unless ``enforce_eager``. Returns True
+        while graph capture is pending (fp8 KV scales are calculated from the first forward and baked
+        into the graphs)."""
+        if self.device.type != "cuda" or self.runner.state_pool is not None:
+            return False
+        if self.config.tensor_parallel_size > 1 and self.proposer is not None:
+            logger.info("DFlash under tensor parallelism: decode/verify steps run eagerly (no CUDA graphs)")
             return False
         return self.enable_uniform_decode(cuda_graphs=not self.config.enforce_eager)
 
@@ -219,24 +222,21 @@ class LLMEngine:
         inputs without host syncs (``runner/cuda_graph.py``), and the DFlash drafter's uniform block
         forwards likewise (``spec_decode/draft_graph.py``); replay them from CUDA graphs when
         ``cuda_graphs``. The GPU engine turns this on by itself; on the CPU (eager only) it is for
-        tests. Bf16 routed experts are stacked for the grouped MoE kernel. Returns True when graph
+        tests. Bf16 routed experts are stacked for the grouped MoE kernel. Under tensor / decode-context
+        parallelism every rank does the same (``DCPModelRunner``: rank 0 posts each uniform step's
+        inputs, all ranks replay the same graph, the collectives captured in it). Returns True when graph
         capture waits for the first forward (fp8 KV scales to calculate).
 
-        Raises ValueError for a multi-process engine or a model with KDA layers, and when CUDA graphs
-        are asked for off a GPU."""
-        if self.config.tensor_parallel_size > 1 or self.runner.state_pool is not None:
-            raise ValueError("uniform decode steps need a single-process engine without linear-attention (KDA) layers")
+        Raises ValueError for DFlash under tensor parallelism, a model with KDA layers, and when CUDA
+        graphs are asked for off a GPU."""
+        if self.runner.state_pool is not None:
+            raise ValueError("uniform decode steps need a model without linear-attention (KDA) layers")
+        if self.config.tensor_parallel_size > 1 and self.proposer is not None:
+            raise ValueError("uniform decode steps under tensor parallelism do not support DFlash yet")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if self.device.type == "cuda":
-            # routed experts keep their own weights (views of the stacked expert tensors)
-            routed = {id(e) for m in self.model.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList)
-                      for e in m.experts}
-            for m in self.model.modules():  # stack bf16 routed experts for the grouped (capture-safe) MoE kernel
-                if hasattr(m, "stack_experts") and not getattr(m, "grouped_experts", True):
-                    m.stack_experts()
-                if isinstance(m, GatedMLP) and id(m) not in routed:  # one GEMM for gate + up per MLP
-                    m.fuse_gate_up()
+            prepare_uniform_model(self.model)
             if self.proposer is not None:
                 self.proposer.drafter.fuse_projections()
         capturer = None
@@ -264,7 +264,7 @@ class LLMEngine:
         """Capture the decode/verify and drafter graphs; if capture fails (an op that synchronizes or
         changes shape with the data), log it and keep running the same steps eagerly."""
         try:
-            self.runner.decode_runner.capture(self.proposer)
+            self.runner.capture_graphs(self.proposer)
             if self.proposer is not None:
                 self.proposer.capture_graphs()
         except Exception:  # noqa: BLE001 — graphs are an optimization; the eager uniform path is equivalent

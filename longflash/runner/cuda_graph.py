@@ -18,15 +18,33 @@ bucket fits) the same uniform path runs unpadded with the step's own bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
+import numpy as np
 import torch
+from torch import nn
 
+from longflash.layers.mlp import GatedMLP
 from longflash.runner.context import ForwardContext, set_forward_context
 from longflash.runner.step_inputs import StepInputs
 
 logger = logging.getLogger("longflash")
+
+
+def prepare_uniform_model(model) -> None:
+    """Make ``model``'s forward launch fewer kernels for uniform steps on a GPU (every rank of a TP/DCP
+    engine does the same): bf16 routed experts stacked for the grouped, capture-safe MoE kernel
+    (``MoE.stack_experts``), one GEMM for gate + up of every other ``GatedMLP`` (``fuse_gate_up``; the
+    routed experts keep views of their stacked weights instead). Parameters become views; no copy is kept."""
+    routed = {id(e) for m in model.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList)
+              for e in m.experts}
+    for m in model.modules():
+        if hasattr(m, "stack_experts") and not getattr(m, "grouped_experts", True):
+            m.stack_experts()
+        if isinstance(m, GatedMLP) and id(m) not in routed:
+            m.fuse_gate_up()
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -53,7 +71,14 @@ class GraphCapturer:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # NOTE: under NCCL (tensor / decode-context parallelism) the warm-up's collectives are finished
+        # first and the capture is thread-local, so the process group's watchdog thread may query its
+        # events while this thread captures (pytorch/pytorch#104487, #148594).
+        nccl = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_backend() == "nccl"
+        if nccl:
+            torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local" if nccl else "global"):
             out = fn()
         self.num_graphs += 1
         return graph, out
@@ -123,31 +148,45 @@ class DecodeGraphRunner:
         return next(b for b in self.buckets if b >= batch)
 
     # ---- inputs -----------------------------------------------------------------------------------
-    def _fill(self, scheduled, q: int, rows: int) -> tuple[list[int], list[int]]:
-        """Write the step's inputs for ``rows`` requests (the real ones, then pad rows) into the host
-        buffer and copy them to the device. Returns the real requests' seq_lens and context_lens."""
+    def plan(self, scheduled, q: int) -> "UniformBatch":
+        """The step's requests as host arrays (what a TP/DCP rank 0 posts to its workers)."""
+        B = len(scheduled)
+        n = max(len(s.seq.block_table) for s in scheduled)
+        tokens = np.empty(B * q, dtype=np.int64)
+        starts = np.empty(B, dtype=np.int64)
+        table = np.full((B, n), -1, dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            seq, start, L = s.seq, s.seq.num_computed_tokens, s.num_lookahead_tokens
+            tokens[i * q] = seq.token_ids[start]
+            if L:
+                tokens[i * q + 1:(i + 1) * q] = seq.spec_token_ids[:L]
+            starts[i] = start
+            table[i, :len(seq.block_table)] = seq.block_table
+        return UniformBatch(q, tokens, starts, table)
+
+    def slot_mapping(self, block_table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Cache slots [B, q] of positions [B, q] through block_table [B, n] (one process:
+        ``block * block_size + offset``; the DCP runner replaces this with its shard's slots)."""
+        bs = self.block_size
+        return np.take_along_axis(block_table, positions // bs, axis=1).astype(np.int64) * bs + positions % bs
+
+    def _fill(self, batch: "UniformBatch", rows: int) -> tuple[list[int], list[int]]:
+        """Write ``batch``'s inputs, padded to ``rows`` requests, into the host buffer and copy them to
+        the device. Returns the real requests' seq_lens and context_lens."""
         inp = self.inputs
         inp.begin()
         h = inp.host
-        bs = self.block_size
-        B = len(scheduled)
-        seq_lens, ctx_lens = [], []
-        for i, s in enumerate(scheduled):
-            seq, start, L = s.seq, s.seq.num_computed_tokens, s.num_lookahead_tokens
-            t0 = i * q
-            h["input_ids"][t0] = seq.token_ids[start]
-            if L:
-                h["input_ids"][t0 + 1:t0 + q] = seq.spec_token_ids[:L]
-            bt = seq.block_table
-            for j in range(q):
-                p = start + j
-                h["positions"][t0 + j] = p
-                h["slot_mapping"][t0 + j] = bt[p // bs] * bs + p % bs
-            h["block_table"][i, :len(bt)] = bt
-            h["block_table"][i, len(bt):] = -1
-            seq_lens.append(start + q)
-            ctx_lens.append(start)
+        q, B = batch.q, batch.num_reqs
+        positions = batch.starts[:, None] + np.arange(q)[None, :]                           # [B, q]
         T, Tp = B * q, rows * q
+        if B:
+            h["input_ids"][:T] = batch.token_ids
+            h["positions"][:T] = positions.reshape(-1)
+            h["slot_mapping"][:T] = self.slot_mapping(batch.block_table, positions).reshape(-1)
+        n = batch.block_table.shape[1]
+        h["block_table"][:B, :n] = batch.block_table
+        h["block_table"][:B, n:] = -1
+        seq_lens, ctx_lens = (batch.starts + q).tolist(), batch.starts.tolist()
         h["seq_lens"][:B] = seq_lens
         h["context_lens"][:B] = ctx_lens
         if rows > B:  # pad rows: no cache write; q rows of block 0 to attend over
@@ -208,7 +247,7 @@ class DecodeGraphRunner:
         t0 = time.perf_counter()
         keys = sorted(((q, b) for q in self.query_lens for b in self.buckets), key=lambda k: (-k[0] * k[1], -k[0]))
         for q, b in keys:
-            self._fill([], q, b)
+            self._fill(UniformBatch.empty(q), b)
             ctx = self._context(b, q, self.capacity, [q] * b, [0] * b)
             graph, outs = self.capturer.capture(lambda: self._forward(ctx, proposer, self.capacity))
             self.graphs[(q, b)] = (graph, *outs)
@@ -222,6 +261,12 @@ class DecodeGraphRunner:
         return bool(self.graphs)
 
     # ---- a step -----------------------------------------------------------------------------------
+    def mode(self, batch_size: int, q: int, proposer=None) -> tuple[bool, int]:
+        """How a uniform step of ``batch_size`` requests runs: (replay a graph, rows after padding)."""
+        key = (q, self._bucket(batch_size))
+        graph = key in self.graphs and proposer is self.proposer  # graphs are captured for one proposer setting
+        return graph, key[1] if graph or self.pad_like_graph else batch_size
+
     def run(self, sched, q: int, proposer=None):
         """Run a uniform step (``query_len(sched) == q``). Returns (logits [B*q, vocab] fp32, spans,
         context, aux [B*q, H] or None, chain or None), logits row = token row; spans as
@@ -229,30 +274,66 @@ class DecodeGraphRunner:
         :class:`ChainedStep` (every row's argmax and, per request, the next drafts under greedy
         acceptance), read from the device in one copy when first used."""
         scheduled = sched.scheduled
-        B = len(scheduled)
-        graph = self.graphs.get((q, self._bucket(B))) if self.graphs else None
-        if graph is not None and proposer is not self.proposer:
-            graph = None  # captured for another proposer setting
-        padded = graph is not None or self.pad_like_graph
-        rows = self._bucket(B) if padded else B
-        seq_lens, ctx_lens = self._fill(scheduled, q, rows)
+        batch = self.plan(scheduled, q)
+        graph, rows = self.mode(len(scheduled), q, proposer)
+        logits, ctx, aux, packed = self.run_batch(batch, graph, rows, proposer)
+        spans = self.spans(scheduled, q)
+        chain = ChainedStep(packed, len(scheduled), rows, q, proposer.block_size - 1) if packed is not None else None
+        return logits, spans, ctx, aux, chain
+
+    @staticmethod
+    def spans(scheduled, q: int) -> list[tuple[int, int]]:
+        """Logit spans of a uniform step (``ModelRunner.prepare``'s): q rows for a verify or a request
+        at its last token, 0 rows otherwise."""
+        spans = []
+        for i, s in enumerate(scheduled):
+            done = s.num_lookahead_tokens or s.seq.num_computed_tokens + 1 == len(s.seq.token_ids)
+            spans.append((i * q, q if done else 0))
+        return spans
+
+    def run_batch(self, batch: "UniformBatch", graph: bool, rows: int, proposer=None):
+        """The forward of a planned batch (every rank of a TP/DCP engine runs it with rank 0's
+        ``mode``). Returns (logits [B*q, vocab] fp32, context, aux [B*q, H] or None, packed chain
+        result or None)."""
+        q, B = batch.q, batch.num_reqs
+        seq_lens, ctx_lens = self._fill(batch, rows)
         ctx = self._context(B, q, max(seq_lens), seq_lens, ctx_lens)
-        if graph is not None:
-            g, logits, aux, packed = graph
+        if graph:
+            g, logits, aux, packed = self.graphs[(q, rows)]
             g.replay()
-        elif padded:
+        elif rows > B:
             pad = rows - B
             logits, aux, packed = self._forward(self._context(rows, q, self.capacity, seq_lens + [q] * pad,
                                                               ctx_lens + [0] * pad), proposer, self.capacity)
         else:
             logits, aux, packed = self._forward(ctx, proposer)
         T = B * q
-        spans = []
-        for i, s in enumerate(scheduled):
-            done = s.num_lookahead_tokens or s.seq.num_computed_tokens + 1 == len(s.seq.token_ids)
-            spans.append((i * q, q if done else 0))
-        chain = ChainedStep(packed, B, rows, q, proposer.block_size - 1) if packed is not None else None
-        return logits[:T], spans, ctx, (aux[:T] if aux is not None else None), chain
+        return logits[:T], ctx, (aux[:T] if aux is not None else None), packed
+
+
+@dataclasses.dataclass
+class UniformBatch:
+    """A uniform step's requests as host arrays: q query tokens per request.
+
+    Attributes:
+        q: query length (1 + draft tokens).
+        token_ids: [B*q] int64, each request's pending token then its drafts.
+        starts: [B] int64, each request's first query position (= its cached context length).
+        block_table: [B, n] int32 logical block ids, -1 past a request's blocks.
+    """
+
+    q: int
+    token_ids: np.ndarray
+    starts: np.ndarray
+    block_table: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.starts)
+
+    @staticmethod
+    def empty(q: int) -> "UniformBatch":
+        return UniformBatch(q, np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, 0), np.int32))
 
 
 class ChainedStep:

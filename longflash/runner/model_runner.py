@@ -80,6 +80,11 @@ class ModelRunner:
         self.decode_runner = DecodeGraphRunner(self.model, self.block_size, max_model_len, max_num_seqs, query_lens,
                                                self.device, capturer)
 
+    def capture_graphs(self, proposer=None) -> None:
+        """Capture the uniform decode/verify graphs (``DecodeGraphRunner.capture``; ``proposer``: the
+        DFlash proposer whose fc outputs they also produce). Raises what capture raises."""
+        self.decode_runner.capture(proposer)
+
     def free_state(self, request_id: str) -> None:
         """Return a request's recurrent-state slot (finished, aborted, preempted); no-op without one."""
         if self.state_pool is not None:

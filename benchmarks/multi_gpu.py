@@ -1,0 +1,680 @@
+"""Multi-GPU runs of issue #11 on 2 GPUs: tensor parallelism (TP) and decode-context parallelism (DCP)
+against one GPU (correctness), the KV tokens per GPU vs DCP size and the longest prompt that completes
+(capacity), passkey retrieval under ``-tp 2 -dcp 2`` with an fp8 cache. No timings.
+
+    python3 benchmarks/multi_gpu.py --out DIR --budget-s 330     # the 2-GPU machine (NCCL, rank r on cuda:r)
+    OMP_NUM_THREADS=1 python3 benchmarks/multi_gpu.py --out DIR --tiny   # this CPU: tiny sizes, gloo (~2-3 min)
+
+What ``benchmarks/nccl_smoke.py`` already ran on 2 GPUs (default model, tp2/dcp1 and tp2/dcp2, bf16 +
+fp32 logits, 128 fp32 greedy tokens, DFlash, a killed worker) is not repeated. Sections (each recorded
+as ran / passed / skipped with the reason, its engines' start-up numbers and seconds):
+
+1. ``dsv3``: a DeepSeek-V3-architecture model with random weights (``e2e_decode.FULL``, 3.3B parameters;
+   ``--tiny``: ``e2e_decode.TINY``) built once in bf16 by HF transformers into a temporary checkpoint
+   (``e2e_decode.build_checkpoint``). tp1 is the reference; tp2/dcp1 and tp2/dcp2 are compared with it:
+   - bf16: a 160-token prompt scored in 32-token chunks. Pass: the TP engine's max |logit - fp32 logit|
+     <= 1.5 x the one-GPU bf16 engine's own (nccl_smoke's criterion: bf16 is "within bf16 tolerance"
+     when TP makes the bf16 error no larger than 1.5 x what bf16 alone costs on one GPU).
+   - fp32 (the same bf16 weights upcast): the same logits within 1e-4 x max |logit|, and 128 greedy
+     tokens of 3 prompts identical (the issue's criterion; row-parallel sums change only the order of
+     fp32 additions). A divergence is reported with both engines' top-1/top-2 logit margin there.
+   - fp8 KV cache + chunked-context prefill (fp32 model, tp2/dcp2): ``context_workspace_rows`` 256
+     and ``max_num_batched_tokens`` 256 against 1000-1200-token prompts, so the later prefill chunks
+     read their cached (fp8) context in up to 4 workspace chunks (tiny: 32/64 rows and 200-300 tokens).
+2. ``default_fp8_chunked``: the same fp8 + chunked-context comparison on the default model at tp2/dcp1
+   and tp2/dcp2.
+   fp8 criterion (chosen from the CPU measurements, before any GPU run): an ulp of difference in a
+   latent (TP sums in another order) can round to the neighbouring fp8 value, so fp8 logits are not
+   held to the fp32 bound. Instead, with E = max |fp8 logits - fp32-cache logits| of the one-GPU engine
+   (what the fp8 cache itself moves the logits; the fp32-cache logits come from a one-GPU engine with
+   an fp32 cache scoring the same prompt): pass when the TP engine's max |logit - one-GPU fp8 logit|
+   <= 0.01 E (TP moves the fp8 logits by < 1 % of what fp8 does: a wrong shard, scale or merge moves
+   them by about E or more), and the 128 greedy tokens of 3 prompts are identical or first differ at
+   a near-tie: the one-GPU engine's top-1/top-2 margin there <= 2 x 0.01 E (two logits that may each
+   move by 0.01 E can swap only within 2 x 0.01 E). Measured on the CPU (gloo, fp32): the TP
+   difference is 2.6e-6 of E's 1.05 on the tiny model and 1.0e-3 of E's 4.78 on the default model
+   (2.2e-4 E; test_tp.py's 1e-5 x max |logit| bound does not hold there at 600 tokens: flips).
+3. ``passkey``: the default model (fp32, as tests/test_tp.py), 10 passkeys hidden in 2048-token prompts
+   (``make_passkey_prompt``), fp8 cache with ``calculate_kv_scales``, 512-token prefill chunks, under
+   ``-tp 2 -dcp 2`` with prefix caching on (hits reported) and off: pass when >= 9/10 each. tp1 with
+   the same settings is the reference (answers identical or not, not gated). The prefix-hit length
+   decides which rows are read back quantized, so both use a 4-token logical block (tp1: block 4;
+   dcp 2: block 2; docs/dcp.md, "fp8 + prefix caching").
+4. ``capacity``: (a) KV tokens per GPU and in total at a fixed per-GPU budget (``--kv-budget``, 8 GiB)
+   for the DSV3 model with bf16 and fp8 caches at tp1, tp2/dcp1, tp2/dcp2, read from each engine's
+   ``startup_report()`` (the section-1 engines ran at that budget; one more engine gives fp8 at
+   tp2/dcp1), ratios vs DCP 1 (expect tokens x dcp at the same per-GPU bytes); and the default sizing
+   (no budget: 0.9 x free GPU memory - 1 GiB of rank 0) with an fp8 cache at tp1 and tp2/dcp2.
+   (b) the default model, fp8 cache, a per-GPU budget of ``--long-tokens`` (65,536) tokens, at tp2/dcp1
+   and tp2/dcp2: a prompt of (capacity - 4) tokens + 4 greedy tokens completes, and a prompt one
+   logical block longer is refused (the error is recorded). The model's ``max_position_embeddings``
+   (4096) is lifted as ``long_context.py`` does (``long_model_dir``).
+
+A unit (an engine, the checkpoint build) whose estimated end would pass ``--budget-s`` (seconds since
+the start) is skipped and recorded with the reason. DIR/multi_gpu.json is rewritten after every unit
+(a timeout keeps what finished), DIR/multi_gpu.md (tables) with it. Exit code 0 when every check that
+ran passed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+from e2e_decode import FULL, TINY, build_checkpoint  # noqa: E402
+from long_context import long_model_dir  # noqa: E402
+from nccl_smoke import _fmt, _nccl_version, _prompts  # noqa: E402
+
+T0 = time.monotonic()
+BF16_ERR_RATIO = 1.5        # bf16: TP error vs fp32 <= this x the one-GPU bf16 error (nccl_smoke)
+FP32_REL_TOL = 1e-4         # fp32: max |logit diff| <= this x max |logit| (issue #11)
+FP8_REL_TO_FP8_ERR = 0.01   # fp8: max |logit diff| <= this x the one-GPU fp8 error (module docstring)
+PASSKEY_MIN = 0.9           # >= 9/10 retrieved
+
+
+def elapsed() -> float:
+    return time.monotonic() - T0
+
+
+def log(msg: str) -> None:
+    print(f"[{elapsed():6.1f} s] {msg}", flush=True)
+
+
+@dataclass
+class Sizes:
+    """Every size of a run (``--tiny``: the CPU check's)."""
+    dsv3: dict = field(default_factory=lambda: FULL)
+    score_len: int = 160
+    score_chunk: int = 32
+    tokens: int = 128
+    fp8_lens: tuple = (1200, 1100, 1000)          # DSV3 fp8 prompts (the first is scored)
+    default_fp8_lens: tuple = (1200, 1100, 1000)  # default-model fp8 prompts
+    workspace: int = 256                          # context_workspace_rows of the fp8 runs
+    batched: int = 256                            # max_num_batched_tokens of the fp8 runs (score chunk too)
+    kv_budget: str = "8GiB"                       # per-GPU KV budget of the DSV3 engines
+    passkeys: int = 10
+    passkey_len: int = 2048
+    long_tokens: int = 65536                      # per-GPU KV tokens of the capacity (b) engines
+    long_chunk: int = 8192
+    est: dict = field(default_factory=dict)       # unit -> estimated seconds
+
+
+# Seconds per unit on the 2-GPU machine (engine start + its work; nccl_smoke's TP engines of the default
+# model took ~20 s each with 128 eager greedy steps) and on this CPU at the tiny sizes.
+GPU_EST = {"build": 25, "dsv3_bf16": 12, "dsv3_fp32": 15, "dsv3_fp8": 18, "tp_bf16": 15, "tp_fp32": 30,
+           "tp_fp8": 35, "small": 20, "passkey": 15, "report": 12, "long": 30}
+CPU_EST = {"build": 5, "dsv3_bf16": 3, "dsv3_fp32": 5, "dsv3_fp8": 5, "tp_bf16": 5, "tp_fp32": 8, "tp_fp8": 10,
+           "small": 10, "passkey": 15, "report": 5, "long": 15}
+
+
+def sizes(tiny: bool, args) -> Sizes:
+    if not tiny:
+        s = Sizes(est=GPU_EST)
+    else:
+        s = Sizes(dsv3=TINY, tokens=32, fp8_lens=(300, 250, 200), default_fp8_lens=(300, 250, 200), workspace=32,
+                  batched=64, kv_budget="16MiB", long_tokens=1024, long_chunk=512, est=CPU_EST)
+    for k in ("tokens", "passkeys", "long_tokens", "kv_budget"):
+        if getattr(args, k) is not None:
+            setattr(s, k, getattr(args, k))
+    return s
+
+
+def _free(dev: str) -> None:
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _margin(lp: dict) -> tuple[int, int, float]:
+    """(top-1 id, top-2 id, top-1 minus top-2 logprob = logit margin) of one token's logprob dict."""
+    top = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]
+    return top[0][0], top[1][0], float(top[0][1].logprob - top[1][1].logprob)
+
+
+def greedy(engine, prompts: list[list[int]], n: int) -> dict:
+    """``n`` greedy tokens (ignore_eos) per prompt with each step's top-2 (``logprobs=2``):
+    {"tokens": [[id]], "top": [[(top1, top2, margin)]]} in prompt order."""
+    from longflash.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0]
+    outs = [done[i] for i in ids]
+    return {"tokens": [list(o.token_ids) for o in outs], "top": [[_margin(lp) for lp in o.logprobs] for o in outs]}
+
+
+def cmp_logits(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """max |got - ref|, max |ref|, their ratio and the top-1 agreement of two [T, V] logit tensors."""
+    if got.shape != ref.shape:
+        raise ValueError(f"logit shapes differ: {tuple(got.shape)} vs {tuple(ref.shape)}")
+    d, m = float((got - ref).abs().max()), float(ref.abs().max())
+    return {"max_abs_diff": d, "max_abs_logit": m, "rel_diff": d / m,
+            "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean())}
+
+
+def cmp_greedy(got: dict, ref: dict) -> dict:
+    """Identical or not; per prompt the first divergence with both engines' top-1/top-2 there."""
+    divs, at = [], []
+    for p, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        divs.append(i)
+        if i is not None:
+            at.append({"prompt": p, "index": i, "ref_token": b[i], "got_token": a[i],
+                       "ref_top2": ref["top"][p][i][:2], "ref_margin": ref["top"][p][i][2],
+                       "got_top2": got["top"][p][i][:2], "got_margin": got["top"][p][i][2]})
+    lens = [len(t) for t in got["tokens"]]
+    return {"identical": got["tokens"] == ref["tokens"], "tokens_per_prompt": lens, "first_divergence": divs,
+            "at_divergence": at}
+
+
+class Bench:
+    """The run's record (``res``), the time budget, the running section, engines and their reports."""
+
+    def __init__(self, args, sz: Sizes, dev: str):
+        self.args, self.sz, self.dev = args, sz, dev
+        self.sec: dict | None = None
+        self.ckpt: str | None = None          # the DSV3 checkpoint (built in section 1, reused in 4)
+        self.reports: dict = {}               # (model, tp, dcp, kv dtype, budget) -> startup report subset
+        ngpu = torch.cuda.device_count()
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = ""
+        self.res = {"benchmark": "multi_gpu", "commit": commit or "unknown",
+                    "command": "python3 " + " ".join(sys.argv), "host": platform.node(), "torch": torch.__version__,
+                    "device": dev, "backend": "nccl" if dev == "cuda" else "gloo", "gpus_visible": ngpu,
+                    "gpu_names": [torch.cuda.get_device_name(i) for i in range(ngpu)],
+                    "nccl": _nccl_version() if ngpu else None, "tiny": args.tiny, "budget_s": args.budget_s,
+                    "sizes": {k: v for k, v in asdict(self.sz).items() if k not in ("dsv3", "est")},
+                    "criteria": {"bf16_err_ratio": BF16_ERR_RATIO, "fp32_rel_tol": FP32_REL_TOL,
+                                 "fp8_rel_to_fp8_err": FP8_REL_TO_FP8_ERR, "passkey_min": PASSKEY_MIN},
+                    "sections": {}}
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def write(self) -> None:
+        self.res["seconds"] = round(elapsed(), 1)
+        with open(os.path.join(self.args.out, "multi_gpu.json"), "w") as f:
+            json.dump(self.res, f, indent=2, default=str)
+        with open(os.path.join(self.args.out, "multi_gpu.md"), "w") as f:
+            f.write(report_md(self.res) + "\n")
+
+    def fits(self, name: str, unit: str) -> bool:
+        """True when unit ``unit`` (a key of the estimates) fits the budget; else records ``name`` as
+        skipped in the running section."""
+        est = self.sz.est[unit]
+        if elapsed() + est <= self.args.budget_s:
+            return True
+        why = f"budget: {elapsed():.0f} s used + ~{est} s estimated > {self.args.budget_s:.0f} s"
+        self.sec["skipped"][name] = why
+        log(f"  {name}: skipped ({why})")
+        self.write()
+        return False
+
+    def section(self, name: str, first_unit: str, fn) -> None:
+        secs = self.res["sections"]
+        est = self.sz.est[first_unit]
+        if elapsed() + est > self.args.budget_s:
+            secs[name] = {"ran": False, "why": f"budget: {elapsed():.0f} s used + ~{est} s estimated > "
+                                               f"{self.args.budget_s:.0f} s"}
+            log(f"{name}: skipped ({secs[name]['why']})")
+            self.write()
+            return
+        self.sec = secs[name] = {"ran": True, "checks": {}, "runs": {}, "skipped": {}}
+        log(f"{name}: start")
+        t = time.monotonic()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 — recorded; the next section still runs
+            self.sec["error"] = f"{type(e).__name__}: {e}"
+            self.sec["traceback"] = traceback.format_exc()[-3000:]
+            log(f"{name}: ERROR {self.sec['error']}")
+        self.sec["seconds"] = round(time.monotonic() - t, 1)
+        checks = self.sec["checks"].values()
+        self.sec["passed"] = "error" not in self.sec and bool(checks) and all(c["passed"] for c in checks)
+        log(f"{name}: {'PASS' if self.sec['passed'] else 'FAIL'} in {self.sec['seconds']} s "
+            f"({len(self.sec['skipped'])} unit(s) skipped)")
+        self.write()
+
+    def check(self, name: str, passed: bool, **numbers) -> None:
+        self.sec["checks"][name] = {"passed": bool(passed), **numbers}
+        log(f"  {name}: {'PASS' if passed else 'FAIL'}")
+        self.write()
+
+    # ---- engines ----------------------------------------------------------------------------
+    def fail(self, label: str, e: BaseException) -> None:
+        """Record unit ``label`` as failed with ``e`` (the section fails; its other units still run)."""
+        err = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        self.sec["runs"].setdefault(label, {}).update(err)
+        self.sec["checks"][f"{label}: ran"] = {"passed": False, "error": err["error"]}
+        print(flush=True)
+        log(f"  {label}: ERROR {err['error']}")
+        _free(self.dev)
+        self.write()
+
+    def engine(self, label: str, unit: str, model: str, tp: int, dcp: int, dtype: str, scores: dict | None = None,
+               prompts: list | None = None, tokens: int = 0, **kw) -> dict | None:
+        """Build an engine (-tp tp -dcp dcp), score ``scores`` ({name: (ids, chunk)}), generate
+        ``tokens`` greedy tokens of ``prompts``, read its start-up report, shut it down and free its
+        memory. Returns {"logits": {name: [T, V] fp32 CPU}, "greedy": ..., "report": ...}, or None when
+        the unit does not fit the budget or fails (recorded by :meth:`fail`)."""
+        from longflash.config import EngineConfig
+        from longflash.engine.llm_engine import LLMEngine
+        if not self.fits(label, unit):
+            return None
+        args = dict(model=model, device=self.dev, dtype=dtype, block_size=16, max_num_seqs=4,
+                    max_num_batched_tokens=256, skip_tokenizer_init=True, tensor_parallel_size=tp,
+                    decode_context_parallel_size=dcp, speculative_config="off", enable_prefix_caching=False,
+                    distributed_timeout_s=self.args.timeout_s)
+        args.update(kw)
+        t = time.monotonic()
+        out: dict = {"logits": {}, "greedy": None}
+        try:
+            eng = LLMEngine(EngineConfig(**args))
+            try:
+                start_s = time.monotonic() - t
+                rep = eng.startup_report()
+                out["report"] = {k: rep[k] for k in ("kv_cache_dtype", "kv_cache_tokens", "kv_cache_blocks",
+                                                     "kv_cache_bytes", "kv_bytes_per_token", "max_model_len",
+                                                     "model_load_time_s", "context_workspace_rows")}
+                for name, (ids, chunk) in (scores or {}).items():
+                    out["logits"][name] = eng.score(ids, chunk_size=chunk).float().cpu()
+                if prompts:
+                    out["greedy"] = greedy(eng, prompts, tokens)
+            finally:
+                eng.shutdown()
+                del eng
+                _free(self.dev)
+        except Exception as e:  # noqa: BLE001 — recorded; the section's other units still run
+            self.sec["runs"][label] = {"tp": tp, "dcp": dcp, "dtype": dtype, "seconds": round(time.monotonic() - t, 1)}
+            self.fail(label, e)
+            return None
+        budget = kw.get("kv_cache_memory", "default" if "num_gpu_blocks" not in kw else "blocks")
+        self.reports[(os.path.basename(model.rstrip("/")), tp, dcp, out["report"]["kv_cache_dtype"], budget)] = \
+            out["report"]
+        self.sec["runs"][label] = {"tp": tp, "dcp": dcp, "dtype": dtype, "start_s": round(start_s, 1),
+                                   "seconds": round(time.monotonic() - t, 1),
+                                   **{k: v for k, v in kw.items() if k != "model"}, "report": out["report"]}
+        print(flush=True)   # (after the loader's progress bar)
+        log(f"  {label}: {self.sec['runs'][label]['seconds']} s")
+        self.write()
+        return out
+
+
+# ---- checks ----------------------------------------------------------------------------------
+def bf16_check(b: Bench, name: str, got: dict, ref_bf16: dict, ref_fp32: dict) -> None:
+    g, r16, r32 = got["logits"]["s"], ref_bf16["logits"]["s"], ref_fp32["logits"]["s"]
+    one_err, tp_err = float((r16 - r32).abs().max()), float((g - r32).abs().max())
+    vs = cmp_logits(g, r16)
+    b.check(name, tp_err <= BF16_ERR_RATIO * one_err, max_abs_logit_fp32=float(r32.abs().max()),
+            bf16_err_vs_fp32_one_gpu=one_err, bf16_err_vs_fp32_tp=tp_err, diff_vs_one_gpu_bf16=vs["max_abs_diff"],
+            top1_agreement_vs_one_gpu_bf16=vs["top1_agreement"])
+
+
+def fp32_check(b: Bench, name: str, got: dict, ref: dict) -> None:
+    lg = cmp_logits(got["logits"]["s"], ref["logits"]["s"])
+    gr = cmp_greedy(got["greedy"], ref["greedy"])
+    b.check(name, lg["rel_diff"] <= FP32_REL_TOL and gr["identical"], logits=lg, greedy=gr)
+
+
+def fp8_check(b: Bench, name: str, got: dict, ref: dict, ref_fp32_cache: torch.Tensor) -> None:
+    """The fp8 criterion of the module docstring."""
+    fp8_err = float((ref["logits"]["fp8"] - ref_fp32_cache).abs().max())
+    bound = FP8_REL_TO_FP8_ERR * fp8_err
+    lg = cmp_logits(got["logits"]["fp8"], ref["logits"]["fp8"])
+    gr = cmp_greedy(got["greedy"], ref["greedy"])
+    near_ties = all(d["ref_margin"] <= 2 * bound for d in gr["at_divergence"])
+    b.check(name, lg["max_abs_diff"] <= bound and near_ties, fp8_err_one_gpu=fp8_err,
+            fp8_err_tp=float((got["logits"]["fp8"] - ref_fp32_cache).abs().max()), logit_bound=bound,
+            diff_over_fp8_err=lg["max_abs_diff"] / fp8_err if fp8_err else None, logits=lg, greedy=gr,
+            divergences_at_near_ties=near_ties)
+
+
+def _fp8_settings(lens: tuple, sz: Sizes) -> dict:
+    """The chunked-context settings of an fp8 comparison, and how many workspace chunks the last
+    prefill chunk of the scored prompt reads its cached context in."""
+    last_ctx = (lens[0] - 1) // sz.batched * sz.batched
+    return {"prompt_lens": list(lens), "context_workspace_rows": sz.workspace, "max_num_batched_tokens": sz.batched,
+            "last_score_chunk_context": last_ctx, "its_workspace_chunks": -(-last_ctx // sz.workspace)}
+
+
+def _randint(seed: int, vocab: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n,), generator=g).tolist()
+
+
+# ---- sections ----------------------------------------------------------------------------------
+def sec_dsv3(b: Bench) -> None:
+    sz, cfg = b.sz, b.sz.dsv3
+    if not b.fits("build checkpoint", "build"):
+        return
+    t = time.monotonic()
+    b.ckpt = tempfile.mkdtemp(prefix="multi-gpu-dsv3-")
+    model = build_checkpoint(cfg, torch.device(b.dev), torch.bfloat16, b.ckpt)
+    b.sec["params"] = sum(p.numel() for p in model.parameters())
+    del model
+    _free(b.dev)
+    b.sec["build_s"] = round(time.monotonic() - t, 1)
+    log(f"  built {b.sec['params'] / 1e9:.3f}B parameters in {b.sec['build_s']} s")
+    vocab, path = cfg["vocab_size"], b.ckpt
+    score = {"s": (_randint(1, vocab, sz.score_len), sz.score_chunk)}
+    prompts = _prompts(vocab)
+    fp8_prompts = [_randint(3 + i, vocab, n) for i, n in enumerate(sz.fp8_lens)]
+    kw = dict(kv_cache_memory=sz.kv_budget)
+    f8kw = dict(kw, kv_cache_dtype="fp8", context_workspace_rows=sz.workspace, max_num_batched_tokens=sz.batched)
+    b.sec["fp8_settings"] = _fp8_settings(sz.fp8_lens, sz)
+    # score-only engines skip CUDA graph capture (decode only; the prefill path is the same)
+    r16 = b.engine("tp1 bf16", "dsv3_bf16", path, 1, 1, "bfloat16", score, enforce_eager=True, **kw)
+    r32 = b.engine("tp1 fp32", "dsv3_fp32", path, 1, 1, "float32",
+                   dict(score, fp8_fp32cache=(fp8_prompts[0], sz.batched)), prompts, sz.tokens, **kw)
+    r8 = b.engine("tp1 fp32 fp8-cache chunked", "dsv3_fp8", path, 1, 1, "float32",
+                  {"fp8": (fp8_prompts[0], sz.batched)}, fp8_prompts, sz.tokens, **f8kw)
+    # A TP engine runs only when the references it is compared with exist. dcp 2 first (nccl_smoke has
+    # run the default model at tp2/dcp1 already): if the budget runs out, tp2/dcp1 is what is skipped.
+    for tp, dcp in ((2, 2), (2, 1)):
+        if r16 and r32 and (g := b.engine(f"tp{tp} dcp{dcp} bf16", "tp_bf16", path, tp, dcp, "bfloat16", score,
+                                          **kw)):
+            bf16_check(b, f"tp{tp}_dcp{dcp}_bf16", g, r16, r32)
+        if r32 and (g := b.engine(f"tp{tp} dcp{dcp} fp32", "tp_fp32", path, tp, dcp, "float32", score, prompts,
+                                  sz.tokens, **kw)):
+            fp32_check(b, f"tp{tp}_dcp{dcp}_fp32", g, r32)
+        if dcp == 2 and r8 and r32 and (g := b.engine("tp2 dcp2 fp32 fp8-cache chunked", "tp_fp8", path, 2, 2,
+                                                      "float32", {"fp8": (fp8_prompts[0], sz.batched)},
+                                                      fp8_prompts, sz.tokens, **f8kw)):
+            fp8_check(b, "tp2_dcp2_fp8_chunked", g, r8, r32["logits"]["fp8_fp32cache"])
+
+
+def sec_default_fp8(b: Bench) -> None:
+    from longflash.default_model_path import default_model_path
+    sz, path = b.sz, default_model_path()
+    prompts = [_randint(10 + i, 8192, n) for i, n in enumerate(sz.default_fp8_lens)]
+    b.sec["fp8_settings"] = _fp8_settings(sz.default_fp8_lens, sz)
+    score = {"fp8": (prompts[0], sz.batched)}
+    kw = dict(num_gpu_blocks=512, context_workspace_rows=sz.workspace, max_num_batched_tokens=sz.batched)
+    r32 = b.engine("tp1 fp32 fp32-cache", "small", path, 1, 1, "float32", score, enforce_eager=True, **kw)
+    r8 = b.engine("tp1 fp32 fp8-cache chunked", "small", path, 1, 1, "float32", score, prompts, sz.tokens,
+                  kv_cache_dtype="fp8", **kw)
+    for dcp in (1, 2):
+        if r8 and r32 and (g := b.engine(f"tp2 dcp{dcp} fp32 fp8-cache chunked", "small", path, 2, dcp, "float32",
+                                         score, prompts, sz.tokens, kv_cache_dtype="fp8", **kw)):
+            fp8_check(b, f"tp2_dcp{dcp}_fp8_chunked", g, r8, r32["logits"]["fp8"])
+
+
+def passkey_run(b: Bench, trials: list, tp: int, dcp: int, block_size: int, prefix: bool) -> dict:
+    """One LLM with -tp tp -dcp dcp (fp32, fp8 cache with calculated scales, 512-token prefill chunks)
+    on the passkey prompts ``trials`` [(text, key)]: retrieved count, prefix-cache hits, answers."""
+    from longflash import LLM
+    from longflash.default_model_path import default_model_path
+    from longflash.sampling_params import SamplingParams
+    from longflash.training.data import passkey_answer_matches
+    t = time.monotonic()
+    llm = LLM(default_model_path(), dtype="float32", device=b.dev, block_size=block_size,
+              num_gpu_blocks=16384 // block_size, max_num_batched_tokens=512, kv_cache_dtype="fp8",
+              calculate_kv_scales=True, enable_prefix_caching=prefix, tensor_parallel_size=tp,
+              decode_context_parallel_size=dcp, speculative_config="off", distributed_timeout_s=b.args.timeout_s)
+    try:
+        outs = llm.generate([p for p, _ in trials], SamplingParams(temperature=0, max_tokens=8))
+        texts = [o.outputs[0].text for o in outs]
+        hits = llm.engine.block_manager.prefix_cache_hits
+        k_scales = llm.engine.startup_report()["k_scales"]
+    finally:
+        llm.engine.shutdown()
+        del llm
+        _free(b.dev)
+    ok = [passkey_answer_matches(x, key) for x, (_, key) in zip(texts, trials)]
+    return {"tp": tp, "dcp": dcp, "block_size": block_size, "prefix_caching": prefix, "retrieved": sum(ok),
+            "of": len(ok), "prefix_cache_hits": hits, "k_scale_range": [min(k_scales), max(k_scales)],
+            "seconds": round(time.monotonic() - t, 1), "texts": texts,
+            "answers": [f"{k} -> {x.strip()[:12]!r}" for x, (_, k) in zip(texts, trials)]}
+
+
+def sec_passkey(b: Bench) -> None:
+    from longflash.default_model_path import default_model_path
+    from longflash.engine.llm_engine import load_tokenizer
+    from longflash.training.data import make_passkey_prompt
+    sz = b.sz
+    tok = load_tokenizer(default_model_path())
+    trials = [make_passkey_prompt(tok, sz.passkey_len, seed) for seed in range(sz.passkeys)]
+    b.sec["prompt_tokens"] = [len(tok.encode(p, add_special_tokens=False)) for p, _ in trials]
+    answers = {}
+    for tp, dcp, bs in ((2, 2, 2), (1, 1, 4)):      # a 4-token logical block in both
+        for prefix in (True, False):
+            label = f"tp{tp} dcp{dcp} prefix {'on' if prefix else 'off'}"
+            if not b.fits(label, "passkey"):
+                continue
+            try:
+                run = passkey_run(b, trials, tp, dcp, bs, prefix)
+            except Exception as e:  # noqa: BLE001 — recorded; the other runs still go
+                b.fail(label, e)
+                continue
+            answers[(tp, prefix)] = run.pop("texts")
+            b.sec["runs"][label] = run
+            print(flush=True)
+            log(f"  {label}: {run['retrieved']}/{run['of']} in {run['seconds']} s "
+                f"(prefix hits {run['prefix_cache_hits']})")
+            if tp > 1:
+                b.check(f"tp2_dcp2_prefix_{'on' if prefix else 'off'}",
+                        run["retrieved"] >= PASSKEY_MIN * run["of"] and (run["prefix_cache_hits"] > 0 or not prefix),
+                        retrieved=f"{run['retrieved']}/{run['of']}", prefix_cache_hits=run["prefix_cache_hits"])
+            elif (2, prefix) in answers:
+                run["answers_identical_to_tp2_dcp2"] = answers[(2, prefix)] == answers[(1, prefix)]
+            b.write()
+
+
+def sec_capacity(b: Bench) -> None:
+    long_prompt(b)   # (b) first: (a) has most of its numbers from section 1 already
+    sz, rows = b.sz, []
+    if b.ckpt:   # (a) the DSV3 model at the fixed per-GPU budget; the section-1 engines' reports first
+        name = os.path.basename(b.ckpt)
+        if (name, 2, 1, "float8_e4m3fn", sz.kv_budget) not in b.reports:   # section 1 ran fp8 at tp1, tp2/dcp2
+            b.engine("tp2 dcp1 bf16 fp8-cache (report)", "report", b.ckpt, 2, 1, "bfloat16", kv_cache_dtype="fp8",
+                     kv_cache_memory=sz.kv_budget, enforce_eager=True)
+        for tp, dcp in ((1, 1), (2, 2)):   # the default sizing
+            b.engine(f"tp{tp} dcp{dcp} bf16 fp8-cache default sizing (report)", "report", b.ckpt, tp, dcp,
+                     "bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
+        for key, rep in sorted(b.reports.items(), key=lambda kv: (kv[0][3], str(kv[0][4]), kv[0][1], kv[0][2])):
+            if key[0] != name:
+                continue
+            rows.append({"kv_cache_dtype": key[3], "budget": key[4], "tp": key[1], "dcp": key[2],
+                         "tokens_total": rep["kv_cache_tokens"], "tokens_per_gpu": rep["kv_cache_tokens"] // key[2],
+                         "blocks_per_gpu": rep["kv_cache_blocks"], "kv_bytes_per_gpu": rep["kv_cache_bytes"],
+                         "kv_bytes_per_token_row": rep["kv_bytes_per_token"]})
+        for r in rows:   # against dcp 1 of the same cache dtype and budget (tp1 and tp2/dcp1 hold the same)
+            base = next((x for x in rows if (x["kv_cache_dtype"], x["budget"], x["dcp"]) ==
+                         (r["kv_cache_dtype"], r["budget"], 1)), None)
+            r["tokens_ratio_vs_dcp1"] = r["tokens_total"] / base["tokens_total"] if base else None
+            r["kv_bytes_ratio_vs_dcp1"] = r["kv_bytes_per_gpu"] / base["kv_bytes_per_gpu"] if base else None
+        b.sec["per_gpu_budget_table"] = rows
+        # at the fixed per-GPU budget: the same bytes per GPU, tokens x dcp (every row with a dcp-1 row)
+        fixed = [r for r in rows if r["budget"] == sz.kv_budget and r["tokens_ratio_vs_dcp1"] is not None]
+        b.check("dsv3_tokens_x_dcp_at_fixed_budget",
+                any(r["dcp"] > 1 for r in fixed) and all(r["tokens_ratio_vs_dcp1"] == r["dcp"]
+                                                         and r["kv_bytes_ratio_vs_dcp1"] == 1 for r in fixed),
+                rows_compared=len(fixed), cache_dtypes=sorted({r["kv_cache_dtype"] for r in fixed}))
+
+
+def long_prompt_run(b: Bench, mdir: str, dcp: int, budget: int, n_out: int = 4) -> dict:
+    """tp2/dcp ``dcp``, default model at ``mdir``, fp8 cache of ``budget`` bytes per GPU: a prompt of
+    (capacity - n_out) tokens + n_out greedy tokens, then one logical block longer (refused?)."""
+    from longflash.config import EngineConfig
+    from longflash.engine.llm_engine import LLMEngine
+    from longflash.sampling_params import SamplingParams
+    t = time.monotonic()
+    eng = LLMEngine(EngineConfig(model=mdir, device=b.dev, kv_cache_dtype="fp8", kv_cache_memory=budget,
+                                 block_size=16, max_num_seqs=1, max_num_batched_tokens=b.sz.long_chunk,
+                                 enable_prefix_caching=False, skip_tokenizer_init=True, tensor_parallel_size=2,
+                                 decode_context_parallel_size=dcp, speculative_config="off",
+                                 distributed_timeout_s=b.args.timeout_s))
+    r = {"kv_budget_bytes_per_gpu": budget}
+    try:
+        rep = eng.startup_report()
+        cap = rep["kv_cache_tokens"]
+        r.update(kv_cache_tokens=cap, kv_cache_bytes_per_gpu=rep["kv_cache_bytes"], max_model_len=rep["max_model_len"],
+                 dtype=rep["dtype"], prefill_chunk=b.sz.long_chunk)
+        p = _randint(20 + dcp, 8192, cap - n_out)
+        t1 = time.monotonic()
+        out = greedy(eng, [p], n_out)
+        r.update(prompt_tokens=len(p), generated=len(out["tokens"][0]), completed=len(out["tokens"][0]) == n_out,
+                 run_s=round(time.monotonic() - t1, 1))
+        longer = _randint(30, 8192, cap - n_out + 16 * dcp)     # one logical block (block_size x dcp) more
+        try:
+            eng.add_request(None, {"prompt_token_ids": longer}, SamplingParams(max_tokens=n_out))
+            r.update(one_block_more="accepted (not refused)", refused=False)
+        except ValueError as e:
+            r.update(one_block_more=f"ValueError: {e}", refused=True)
+    finally:
+        eng.shutdown()
+        del eng
+        _free(b.dev)
+    r["seconds"] = round(time.monotonic() - t, 1)
+    return r
+
+
+def long_prompt(b: Bench) -> None:
+    """(b): the longest prompt that completes at dcp 1 and 2 (default model, fp8, fixed per-GPU budget)."""
+    from longflash.default_model_path import default_model_path
+    from longflash.models.loader import load_config
+    sz = b.sz
+    cfg = load_config(default_model_path())
+    row = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])   # fp8: one byte each
+    budget = sz.long_tokens * row
+    mdir = long_model_dir(default_model_path(), 4 * sz.long_tokens)
+    res = {}
+    try:
+        for dcp in (1, 2):
+            label = f"tp2 dcp{dcp} longest prompt"
+            if not b.fits(label, "long"):
+                continue
+            try:
+                res[dcp] = b.sec["runs"][label] = long_prompt_run(b, mdir, dcp, budget)
+            except Exception as e:  # noqa: BLE001 — recorded; the other run still goes
+                b.fail(label, e)
+                continue
+            print(flush=True)
+            log(f"  {label}: {res[dcp]['prompt_tokens']} tokens, completed={res[dcp]['completed']}, "
+                f"{res[dcp]['seconds']} s")
+            b.write()
+    finally:
+        shutil.rmtree(mdir, ignore_errors=True)
+    if 1 in res and 2 in res:
+        b.check("longest_prompt_x_dcp", all(r["completed"] and r["refused"] for r in res.values())
+                and res[2]["kv_cache_tokens"] == 2 * res[1]["kv_cache_tokens"],
+                longest_prompt_dcp1=res[1]["prompt_tokens"], longest_prompt_dcp2=res[2]["prompt_tokens"],
+                ratio=res[2]["prompt_tokens"] / res[1]["prompt_tokens"], per_gpu_tokens=sz.long_tokens)
+
+
+# ---- report -----------------------------------------------------------------------------------
+def report_md(res: dict) -> str:
+    lines = [f"# Multi-GPU TP/DCP runs ({res['device']}, backend {res['backend']}, "
+             f"{res['gpus_visible']} GPU(s) visible{', tiny' if res['tiny'] else ''})", "",
+             f"commit `{res['commit']}`, `{res['command']}`, torch {res['torch']}, nccl {res['nccl']}, "
+             f"GPUs {res['gpu_names'] or '-'}; {res.get('seconds', 0)} s of a {res['budget_s']:.0f} s budget", "",
+             f"Criteria: bf16 TP error vs fp32 <= {BF16_ERR_RATIO} x the one-GPU bf16 error; fp32 max |diff| <= "
+             f"{FP32_REL_TOL:g} x max |logit| and greedy tokens identical; fp8 max |diff| <= {FP8_REL_TO_FP8_ERR} x "
+             "the one-GPU fp8 error E (fp8 vs fp32-cache logits), greedy identical or first differing where the "
+             f"one-GPU top-1/top-2 margin <= 2 x {FP8_REL_TO_FP8_ERR} E; passkey >= {PASSKEY_MIN:.0%}; capacity "
+             "tokens x dcp at the same per-GPU bytes (module docstring).", "",
+             "| section | ran | result | seconds | skipped units |", "|---|---|---|---|---|"]
+    for name, s in res["sections"].items():
+        if not s["ran"]:
+            lines.append(f"| {name} | no | - | - | {s['why']} |")
+        else:
+            res_s = "PASS" if s.get("passed") else ("FAIL" + (f": {s['error']}" if "error" in s else ""))
+            lines.append(f"| {name} | yes | {res_s} | {s.get('seconds', '?')} | "
+                         f"{'; '.join(f'{k} ({v})' for k, v in s['skipped'].items()) or '-'} |")
+    for name, s in res["sections"].items():
+        if not s["ran"]:
+            continue
+        lines += ["", f"## {name}", ""]
+        if s.get("params"):
+            lines.append(f"{s['params']:,} parameters, checkpoint built in {s['build_s']} s.\n")
+        if s.get("fp8_settings"):
+            lines.append(f"fp8 runs: {_fmt_nested(s['fp8_settings'])}\n")
+        if s.get("prompt_tokens"):
+            lines.append(f"passkey prompts: {min(s['prompt_tokens'])}-{max(s['prompt_tokens'])} tokens\n")
+        if s["checks"]:
+            lines += ["| check | result | numbers |", "|---|---|---|"]
+            for c, v in s["checks"].items():
+                nums = ", ".join(f"{k}={_fmt_nested(x)}" for k, x in v.items() if k != "passed")
+                lines.append(f"| {c} | {'PASS' if v['passed'] else 'FAIL'} | {nums} |")
+        table = s.get("per_gpu_budget_table")
+        if table:
+            lines += ["", "| KV dtype | per-GPU budget | tp | dcp | tokens total | tokens per GPU | blocks per GPU | "
+                      "KV bytes per GPU | bytes per token row | tokens x vs dcp 1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in table:
+                lines.append(f"| {r['kv_cache_dtype']} | {r['budget']} | {r['tp']} | {r['dcp']} | {r['tokens_total']:,} | "
+                             f"{r['tokens_per_gpu']:,} | {r['blocks_per_gpu']:,} | {r['kv_bytes_per_gpu']:,} | "
+                             f"{r['kv_bytes_per_token_row']:,} | {_fmt(r['tokens_ratio_vs_dcp1'])} |")
+        if s["runs"]:
+            lines += ["", "| run | seconds | details |", "|---|---|---|"]
+            for r, v in s["runs"].items():
+                det = ", ".join(f"{k}={_fmt_nested(x)}" for k, x in v.items() if k not in ("seconds", "traceback"))
+                lines.append(f"| {r} | {v.get('seconds', '?')} | {det} |")
+        if "traceback" in s:
+            lines += ["", "```", s["traceback"][-1500:], "```"]
+    return "\n".join(lines)
+
+
+def _fmt_nested(v):
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_fmt_nested(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(str(_fmt_nested(x)) for x in v) + "]"
+    return _fmt(v)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for multi_gpu.json / .md")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (gloo): checks the script")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="skip a unit whose estimated end passes this")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="distributed_timeout_s of the engines")
+    ap.add_argument("--sections", default="dsv3,default_fp8_chunked,passkey,capacity")
+    ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (default 128; tiny 32)")
+    ap.add_argument("--passkeys", type=int, default=None, help="passkey prompts (default 10; tiny 4)")
+    ap.add_argument("--long-tokens", type=int, default=None, help="per-GPU KV tokens of capacity (b)")
+    ap.add_argument("--kv-budget", default=None, help="per-GPU KV budget of the DSV3 engines (default 8GiB)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    ngpu = torch.cuda.device_count()
+    if not args.tiny and ngpu < 2:
+        raise SystemExit(f"needs 2 GPUs ({ngpu} visible); use --tiny on the CPU")
+    dev = "cpu" if args.tiny else "cuda"
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    b = Bench(args, sizes(args.tiny, args), dev)
+    fns = {"dsv3": (sec_dsv3, "build"), "default_fp8_chunked": (sec_default_fp8, "small"),
+           "passkey": (sec_passkey, "passkey"), "capacity": (sec_capacity, "long")}
+    try:
+        for name in args.sections.split(","):
+            fn, first = fns[name]
+            b.section(name, first, lambda fn=fn: fn(b))
+    finally:
+        if b.ckpt:
+            shutil.rmtree(b.ckpt, ignore_errors=True)
+    b.write()
+    ran = [s for s in b.res["sections"].values() if s["ran"]]
+    log(f"{sum(bool(s.get('passed')) for s in ran)}/{len(ran)} sections that ran passed; "
+        f"{len(b.res['sections']) - len(ran)} skipped")
+    return 0 if ran and all(s.get("passed") for s in ran) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,7 @@
 and 64 with a 32K-token context for ``tp1`` (one GPU), ``-tp 2 -dcp 1`` and ``-tp 2 -dcp 2`` (ratios
 against tp1 and against dcp 1, same run), and the share of a decode step spent in collectives.
 
-    python3 benchmarks/multi_gpu_speed.py --out DIR [--configs 1x1,2x1,2x2] [--context 32768] [--batches 1,64]
+    python3 benchmarks/multi_gpu_speed.py --out DIR [--configs 1x1,2x1,2x2] [--context 32768] [--batches 1,64:8192]
     python3 benchmarks/multi_gpu_speed.py --out DIR --tiny          # CPU (gloo), tiny shapes: checks the script
 
 Model: DeepSeek-V3 architecture with random weights (``e2e_decode.FULL``: hidden 2048, 16 heads, DeepSeek-V3's
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", default="1x1,2x1,2x2", help="tp x dcp pairs")
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--batches", default="1,64", help="batch sizes, each optionally with its own context: 1,64:8192")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--profile-steps", type=int, default=6)
@@ -60,8 +60,17 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny config and sizes")
     a = ap.parse_args(argv)
     if a.tiny:
-        a.context, a.batches, a.steps, a.profile_steps, a.kv_cache_memory = 96, "1,4", 4, 2, "64MiB"
+        a.context, a.batches, a.steps, a.profile_steps, a.kv_cache_memory = 96, "1,4:48", 4, 2, "64MiB"
     return a
+
+
+def batch_specs(spec: str, context: int) -> list[tuple[int, int]]:
+    """"1,64:8192" -> [(1, context), (64, 8192)]: (batch, context tokens)."""
+    out = []
+    for item in spec.split(","):
+        b, _, c = item.partition(":")
+        out.append((int(b), int(c) if c else context))
+    return out
 
 
 def nccl_share(engine, steps: int) -> dict:
@@ -90,12 +99,12 @@ def run_config(path: str, tp: int, dcp: int, args, dev: str, res: dict, budget_e
     from longflash.config import EngineConfig
     from longflash.engine.llm_engine import LLMEngine
     from longflash.sampling_params import SamplingParams
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = batch_specs(args.batches, args.context)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=path, device=dev, dtype="bfloat16" if dev == "cuda" else "float32", tensor_parallel_size=tp,
-        decode_context_parallel_size=dcp, max_model_len=args.context + 128, max_num_seqs=max(batches),
-        max_num_batched_tokens=min(16384, args.context), kv_cache_memory=args.kv_cache_memory,
+        decode_context_parallel_size=dcp, max_model_len=max(c for _, c in batches) + 128,
+        max_num_seqs=max(b for b, _ in batches), max_num_batched_tokens=min(16384, args.context), kv_cache_memory=args.kv_cache_memory,
         skip_tokenizer_init=True, enforce_eager=args.eager or dev != "cuda", enable_prefix_caching=False,
         speculative_config="off", distributed_timeout_s=300))
     dr = engine.runner.decode_runner
@@ -105,23 +114,24 @@ def run_config(path: str, tp: int, dcp: int, args, dev: str, res: dict, budget_e
     log(f"tp{tp} dcp{dcp}: engine up in {out['engine_start_s']:.1f} s, graphs {out['graphs']} "
         f"({out['graph_capture_s']:.1f} s), KV capacity {out['kv_cache_tokens']:,} tokens")
     g = torch.Generator().manual_seed(0)
-    prefill_b1 = None
+    prefill_tok = None  # seconds per prefilled token x context (attention dominates: ~linear in the context)
     try:
-        for b in batches:
-            if prefill_b1 is not None and time.perf_counter() + prefill_b1 * b * 1.3 + 20 > budget_end:
-                out["batches"][str(b)] = {"skipped": f"estimated prefill {prefill_b1 * b:.0f} s passes the budget"}
+        for b, ctx_len in batches:
+            if prefill_tok is not None and time.perf_counter() + prefill_tok * b * ctx_len ** 2 * 1.3 + 20 > budget_end:
+                out["batches"][str(b)] = {"skipped": f"estimated prefill {prefill_tok * b * ctx_len ** 2:.0f} s "
+                                                     f"passes the budget"}
                 log(f"tp{tp} dcp{dcp} batch {b}: skipped (budget)")
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile_steps + 4, ignore_eos=True)
             for _ in range(b):
                 engine.add_request(None, {"prompt_token_ids": torch.randint(2, 120000 if dev == "cuda" else 200,
-                                                                             (args.context,), generator=g).tolist()},
+                                                                             (ctx_len,), generator=g).tolist()},
                                    params)
             t = time.perf_counter()
             while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
                 engine.step()
             prefill_s = time.perf_counter() - t
-            prefill_b1 = prefill_s / b if prefill_b1 is None else prefill_b1
+            prefill_tok = prefill_s / (b * ctx_len ** 2) if prefill_tok is None else prefill_tok
             engine.step()  # first all-decode step (the graph's first replay at this bucket)
             times = []
             for _ in range(args.steps):
@@ -129,7 +139,7 @@ def run_config(path: str, tp: int, dcp: int, args, dev: str, res: dict, budget_e
                 engine.step()
                 times.append(time.perf_counter() - t)
             step = statistics.median(times)
-            r = out["batches"][str(b)] = {"batch": b, "context": args.context, "prefill_s": prefill_s,
+            r = out["batches"][str(b)] = {"batch": b, "context": ctx_len, "prefill_s": prefill_s,
                                           "decode_step_ms": 1e3 * step, "decode_tok_s": b / step,
                                           "step_ms_min_max": [1e3 * min(times), 1e3 * max(times)]}
             if dev == "cuda":

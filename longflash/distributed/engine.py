@@ -16,7 +16,9 @@ into a worker that exits when rank 0 shuts down (see ``docs/dcp.md``).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 
 import torch
@@ -54,6 +56,7 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
     replicated draft pool, run steps until rank 0 stops. ``num_threads`` (rank 0's torch thread count)
     applies on the CPU only, where the ranks share the cores."""
     from longflash.models.loader import load_model
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints where a worker is
     try:
         device = bind_rank_device(config.device, world, rank)
         if device.type == "cpu":
@@ -64,7 +67,9 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
         torch.manual_seed(config.seed)
         model, _ = load_model(config.model, dtype, device, progress=False)
         proposer = _worker_proposer(drafter, model, config, num_blocks, dtype, device)
-        _make_runner(model, config, num_blocks, kv_cache_dtype, device, ps, proposer).serve_forever()
+        runner = _make_runner(model, config, num_blocks, kv_cache_dtype, device, ps, proposer)
+        runner.serve_forever()
+        runner.release_graphs()
     except BaseException:
         logger.exception("DCP worker rank %d failed", rank)
         sys.exit(1)
@@ -107,6 +112,7 @@ class _Rank0Runner(DCPModelRunner):
                 if p.is_alive():
                     p.kill()
                     p.join(5)
+            self.release_graphs()
             comm.destroy_distributed()
 
 
@@ -130,8 +136,10 @@ def start_dcp(engine) -> DCPModelRunner:
         if env.rank != 0:
             ps = comm.initialize_model_parallel(world, cfg.decode_context_parallel_size,
                                                 cfg.cp_kv_cache_interleave_size)
-            _make_runner(engine.model, cfg, engine.num_blocks, engine.kv_cache_dtype, engine.device, ps,
-                         engine.proposer).serve_forever()
+            runner = _make_runner(engine.model, cfg, engine.num_blocks, engine.kv_cache_dtype, engine.device, ps,
+                                  engine.proposer)
+            runner.serve_forever()
+            runner.release_graphs()
             comm.destroy_distributed()
             sys.exit(0)
     else:

@@ -275,6 +275,13 @@ class DCPModelRunner(ModelRunner):
                 # The LM head is vocab-parallel (a collective): compute the rows rank 0 computes.
                 self.model.compute_logits(hidden if ctx.extras.get("all_logits") else hidden[ctx.logits_indices])
 
+    def release_graphs(self) -> None:
+        """Destroy this rank's CUDA graphs (before its process group: ``DecodeGraphRunner.release``)."""
+        if self.decode_runner is not None:
+            self.decode_runner.release()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def shutdown(self) -> None:
         """Rank 0: tell the workers to exit."""
         self.channel.post(None)

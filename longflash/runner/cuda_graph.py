@@ -260,6 +260,14 @@ class DecodeGraphRunner:
     def captured(self) -> bool:
         return bool(self.graphs)
 
+    def release(self) -> None:
+        """Destroy the captured graphs now (their memory and, under NCCL, the communicator resources
+        they hold: NCCL ties captured collectives' resources to the graph's lifetime, so a process group
+        is destroyed only after its graphs); uniform steps run eagerly afterwards."""
+        for g, *_ in self.graphs.values():
+            g.reset()
+        self.graphs = {}
+
     # ---- a step -----------------------------------------------------------------------------------
     def mode(self, batch_size: int, q: int, proposer=None) -> tuple[bool, int]:
         """How a uniform step of ``batch_size`` requests runs: (replay a graph, rows after padding)."""

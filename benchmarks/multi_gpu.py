@@ -33,8 +33,9 @@ as ran / passed / skipped with the reason, its engines' start-up numbers and sec
    a near-tie: the one-GPU engine's top-1/top-2 margin there <= 2 x 0.01 E (two logits that may each
    move by 0.01 E can swap only within 2 x 0.01 E). Measured on the CPU (gloo, fp32, tp2/dcp2): the
    TP difference is 2.6e-6 (E = 1.05-1.22) on the tiny DSV3 model; on the default model 1.0e-3 with
-   E = 4.78 (2.2e-4 E) for a 600-token prompt through a 64-row workspace, 3.0e-5 with E = 2.74 in the
-   --tiny run (300 tokens, 32 rows); the first is above test_tp.py's 1e-5 x max |logit| (= 2e-4),
+   E = 4.78 (2.2e-4 E) for a 600-token prompt through a 64-row workspace, 3.0e-5 with E = 2.74 through
+   a 32-row one, 1.6e-5 with E = 2.19 in the --tiny run (300 tokens, 32 rows); the first is above
+   test_tp.py's 1e-5 x max |logit| (= 2e-4),
    which that test checks on a 57-token prompt. Greedy tokens were identical in every CPU run.
 3. ``passkey``: the default model (fp32, as tests/test_tp.py), 10 passkeys hidden in 2048-token prompts
    (``make_passkey_prompt``), fp8 cache with ``calculate_kv_scales``, 512-token prefill chunks, under

@@ -256,6 +256,21 @@ def test_gpu_real_shapes(H, seq, ql, cdt, ks):
         assert torch.equal(l2.isinf(), empty)
 
 
+@cuda
+@pytest.mark.parametrize("H,ql", [(16, [1, 1, 1]), (32, [1, 2, 1]), (16, [4, 1, 8])])
+def test_gpu_fp32_queries_over_an_fp8_cache(H, ql):
+    """fp32 queries (the fp32 engine) over an fp8 cache at DeepSeek-V3 head counts launch (the fp8 tiles
+    with fp32 dots overflowed shared memory at 16 rows) and match the reference."""
+    from longflash.attention import ops
+    from longflash.attention import triton_mla_decode as tk
+    seq = [5000, 333, 17]
+    q, cache, bt, qsl = _gpu_case(H, seq, ql, torch.float8_e4m3fn, 0.05)
+    q = q.float()
+    out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05)
+    ro, rl = ops.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05)
+    assert ((out - ro).norm() / ro.norm()).item() <= 1e-4
+    assert (lse - rl).abs().max().item() <= 1e-4
+
 
 @cuda
 @pytest.mark.parametrize("cdt,ks,ql,cfg", [

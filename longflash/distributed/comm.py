@@ -371,13 +371,16 @@ class StepChannel:
     """Rank 0 (the scheduler) sends each step's batch to the workers, in order.
 
     ``post(obj)`` on rank 0 / ``recv()`` on the others. A worker polls the rendezvous store for the
-    next step's key (naps up to ``MAX_NAP_S``), so an idle engine never trips the collective timeout; the
-    payload then travels by ``broadcast_object`` (over gloo, also in an NCCL world: no GPU work, and the
+    next step's key: every 50 µs for ``BUSY_S`` (longer than the gap between a busy engine's steps,
+    which so start on every rank within ~0.1 ms; a nap doubling from the first wait could add up to
+    6.4 ms to a decode step whose host work took a few ms), then naps doubling up to ``MAX_NAP_S``, so an idle engine never trips
+    the collective timeout. The payload then travels by ``broadcast_object`` (over gloo, also in an NCCL world: no GPU work, and the
     batch's CUDA tensors arrive on each worker's own GPU). If rank 0 dies, the store connection breaks and
     ``recv`` raises. ``post(None)`` tells the workers to stop.
     """
 
     MAX_NAP_S = 0.02
+    BUSY_S = 0.05
 
     def __init__(self, group: GroupCoordinator, prefix: str = "longflash/step"):
         if _store is None and group.world_size > 1:
@@ -395,10 +398,11 @@ class StepChannel:
     def recv(self):
         self.step += 1
         key = f"{self.prefix}/{self.step}"
-        nap = 1e-4
+        nap, t0 = 5e-5, time.monotonic()
         while not _store.check([key]):   # raises if rank 0 (the store's host) is gone
             time.sleep(nap)
-            nap = min(nap * 2, self.MAX_NAP_S)
+            if time.monotonic() - t0 > self.BUSY_S:  # idle: back off (busy steps come within BUSY_S)
+                nap = min(nap * 2, self.MAX_NAP_S)
         obj = self.group.broadcast_object(None, src=0)
         if obj is None:
             # The stop message: rank 0 (the store's host) may exit right after posting it, so the

@@ -139,6 +139,10 @@ class DCPModelRunner(ModelRunner):
                                    extras={**ctx.extras, "draft_slot_mapping": ctx.slot_mapping})
 
     # ---- rank 0 ---------------------------------------------------------------------------------
+    def check_workers(self) -> None:
+        """Rank 0, before posting a step: raise if a worker is known to be gone (the locally started
+        ones: ``_Rank0Runner``); a no-op here."""
+
     def propose(self, proposer, requests):
         """Post the requests (workers draft them too, after the pending draft-pool writes), draft,
         and compare every rank's drafts with rank 0's."""
@@ -165,6 +169,7 @@ class DCPModelRunner(ModelRunner):
         if dr is not None and tapper is None and not all_logits and proposer is None:
             q = dr.query_len(sched)
             if q is not None:  # a uniform step: every rank runs it on persistent inputs (graph or not)
+                self.check_workers()
                 batch = dr.plan(sched.scheduled, q)
                 graph, rows = dr.mode(batch.num_reqs, q)
                 self.channel.post(UniformStep(batch, graph, rows))

@@ -170,7 +170,8 @@ def _write(out: str, res: dict) -> None:
 
 def report(res: dict) -> str:
     rows = res["configs"]
-    base = {b: r["batches"][b]["decode_tok_s"] for r in rows[:1] for b in r["batches"] if "decode_tok_s" in r["batches"][b]}
+    base = {b: r["batches"][b]["decode_tok_s"] for r in rows if r["tp"] == 1
+            for b in r["batches"] if "decode_tok_s" in r["batches"][b]}
     dcp1 = {(r["tp"], b): r["batches"][b]["decode_tok_s"] for r in rows if r["dcp"] == 1
             for b in r["batches"] if "decode_tok_s" in r["batches"][b]}
     md = [f"# Decode speed under TP / DCP ({res['device']})", "",
@@ -202,12 +203,16 @@ def main() -> int:
     dev = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     cfg = dict(TINY if args.tiny else FULL, num_hidden_layers=2 if args.tiny else args.layers,
                max_position_embeddings=args.context + 128)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    res = {"benchmark": "multi_gpu_speed", "commit": commit or open(os.path.join(REPO, "COMMIT")).read().strip()
-           if os.path.exists(os.path.join(REPO, "COMMIT")) else commit,
+    marker = os.path.join(REPO, "COMMIT")  # a `git archive` copy names its commit here (git would name the parent's)
+    if os.path.exists(marker):
+        commit = open(marker).read().strip()
+    else:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = ""
+    res = {"benchmark": "multi_gpu_speed", "commit": commit or "unknown",
            "command": "python3 benchmarks/multi_gpu_speed.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
            "device": ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if dev == "cuda"
            else "CPU", "nccl": ".".join(map(str, torch.cuda.nccl.version())) if dev == "cuda" else None,

@@ -493,11 +493,14 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     kvl = _as_int32(seq_lens, q.device)
     bt = block_table if block_table.dtype == torch.int32 and block_table.stride(-1) == 1 else \
         block_table.to(torch.int32).contiguous()
-    # NOTE: fp32 queries over an fp8 cache take the bf16 cache's tiles: the fp8 tiles with fp32 dots
-    # need more shared memory than an SM has (H200, 16 query rows: 245,760 > 232,448 bytes; found by
-    # benchmarks/multi_gpu.py's fp32 DeepSeek-V3 run). fp32 is the reference/test dtype, not a fast path.
-    cache_tiles = torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype
-    cfg = dict(default_config(max_query_len * H, cache_tiles), **(config or {}))
+    # NOTE: fp32 queries over an fp8 cache take the 16-row bf16 tile (M16 N64, 2 stages) whatever the
+    # row count: the fp8 tiles with fp32 dots need more shared memory than an SM has (H200, 16 query
+    # rows: 245,760 > 232,448 bytes; found by benchmarks/multi_gpu.py's fp32 DeepSeek-V3 run), and on
+    # the H200 the GPU test passed at 16 rows with this tile but failed at 64 and 128 rows with the
+    # larger ones. fp32 is the reference/test dtype, not a fast path.
+    rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
+    cfg = dict(default_config(rows, torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype),
+               **(config or {}))
     BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
     groups = max(1, triton.cdiv(max_query_len * H, BLOCK_M))
     row_bytes = W * kv_cache.element_size()

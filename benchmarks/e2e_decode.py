@@ -248,30 +248,38 @@ def greedy_tokens(engine, rows: list[list[int]], n: int) -> list[list[int]]:
     return [got[i] for i in ids]
 
 
-def kernel_profile(engine, prompts: list[list[int]], steps: int = 6) -> dict:
-    """Kernels per decode step and their GPU time against the step's wall time (torch.profiler, CUDA
-    activity; graph replays included), and the kernels taking most time: where a step's time goes."""
+def device_us(avg) -> float:
+    """A profiler key average's own device time (µs), under either torch attribute name."""
+    return getattr(avg, "self_device_time_total", None) or getattr(avg, "self_cuda_time_total", 0.0)
+
+
+def profile_steps(engine, steps: int) -> tuple[list, float]:
+    """``steps`` engine steps under torch.profiler (CUDA activity; graph replays included): (the CUDA
+    kernels' key averages, wall seconds per step)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-
-    from longflash.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(None, {"prompt_token_ids": p}, params)
-    engine.step()  # prefill
-    engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         wall = (time.perf_counter() - t0) / steps
+    return [a for a in prof.key_averages() if getattr(a, "device_type", None) == DeviceType.CUDA], wall
+
+
+def kernel_profile(engine, prompts: list[list[int]], steps: int = 6) -> dict:
+    """Kernels per decode step and their GPU time against the step's wall time (torch.profiler, CUDA
+    activity; graph replays included), and the kernels taking most time: where a step's time goes."""
+    from longflash.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(None, {"prompt_token_ids": p}, params)
+    engine.step()  # prefill
+    engine.step()
+    avgs, wall = profile_steps(engine, steps)
     while engine.has_unfinished_requests():
         engine.step()
-    avgs = [a for a in prof.key_averages() if getattr(a, "device_type", None) == DeviceType.CUDA]
-
-    def dev_us(a):
-        return getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0)
+    dev_us = device_us
     total_us = sum(dev_us(a) for a in avgs)
     top = sorted(avgs, key=dev_us, reverse=True)[:12]
     return {"batch": len(prompts), "steps": steps, "wall_ms_per_step": 1e3 * wall,

@@ -76,18 +76,8 @@ def batch_specs(spec: str, context: int) -> list[tuple[int, int]]:
 def nccl_share(engine, steps: int) -> dict:
     """Rank 0: ``steps`` decode steps under torch.profiler; NCCL kernels' device time per step and its
     share of the steps' wall time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = (time.perf_counter() - t0) / steps
-    avgs = [a for a in prof.key_averages() if getattr(a, "device_type", None) == DeviceType.CUDA]
-
-    def us(a):
-        return getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0)
+    from e2e_decode import device_us as us, profile_steps
+    avgs, wall = profile_steps(engine, steps)
     nccl = sum(us(a) for a in avgs if "nccl" in a.key.lower()) / 1e3 / steps
     total = sum(us(a) for a in avgs) / 1e3 / steps
     return {"wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": total, "nccl_ms_per_step": nccl,

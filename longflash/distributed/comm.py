@@ -370,33 +370,54 @@ def initialize_model_parallel(tp_size: int, dcp_size: int, cp_kv_cache_interleav
 class StepChannel:
     """Rank 0 (the scheduler) sends each step's batch to the workers, in order.
 
-    ``post(obj)`` on rank 0 / ``recv()`` on the others. A worker polls the rendezvous store for the
-    next step's key: every 50 µs for ``BUSY_S`` (longer than the gap between a busy engine's steps,
-    which so start on every rank within ~0.1 ms; a nap doubling from the first wait could add up to
-    6.4 ms to a decode step whose host work took a few ms), then naps doubling up to ``MAX_NAP_S``, so an idle engine never trips
-    the collective timeout. The payload then travels by ``broadcast_object`` (over gloo, also in an NCCL world: no GPU work, and the
-    batch's CUDA tensors arrive on each worker's own GPU). If rank 0 dies, the store connection breaks and
-    ``recv`` raises. ``post(None)`` tells the workers to stop.
+    ``post(obj)`` on rank 0 / ``recv()`` on the others; ``post(None)`` tells the workers to stop. The
+    object travels as ``torch.save`` bytes (``_pack``; CUDA tensors arrive on each worker's own GPU).
+    With a ``link`` (``shm_channel.LocalLink``: workers that rank 0 started on its own host) the bytes
+    go through shared memory, woken by semaphores; a message too long for it, and every message
+    without a link (torchrun ranks), take the general path: a worker polls the rendezvous store for the
+    next step's key, every 50 µs for ``BUSY_S`` (longer than the gap between a busy engine's steps),
+    then with naps doubling up to ``MAX_NAP_S`` so an idle engine never trips the collective timeout,
+    and the bytes follow as a gloo broadcast (``broadcast_object``; gloo also in an NCCL world: no GPU
+    work). If rank 0 dies, the store connection breaks and ``recv`` raises; rank 0 waiting on a link
+    calls ``check_worker(rank)`` (set by the engine; raises when that worker is gone).
     """
 
     MAX_NAP_S = 0.02
     BUSY_S = 0.05
 
-    def __init__(self, group: GroupCoordinator, prefix: str = "longflash/step"):
+    def __init__(self, group: GroupCoordinator, prefix: str = "longflash/step", link=None):
         if _store is None and group.world_size > 1:
             raise RuntimeError("StepChannel needs init_distributed first")
         self.group = group
         self.prefix = prefix
         self.step = 0
+        self.link = link
+        self.check_worker = lambda rank: None
 
-    def post(self, obj) -> None:
+    def post(self, obj, plain: bool = False) -> None:
+        """Send ``obj`` to the workers. ``plain``: it holds no torch tensors (Python values and NumPy
+        arrays only), so on a link it is pickled as is (tens of µs) instead of by ``torch.save``."""
         self.step += 1
-        if self.group.world_size > 1:
-            _store.set(f"{self.prefix}/{self.step}", b"1")
-            self.group.broadcast_object(obj, src=0)
+        if self.group.world_size == 1:
+            return
+        if self.link is not None:
+            data = (b"p" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) if plain else \
+                (b"t" + _pack(obj).numpy().tobytes())
+            if not self.link.write(data, _timeout_s, self.check_worker):
+                self.group.broadcast_object(obj, src=0)   # too long for the buffer: the workers wait in it
+            return
+        _store.set(f"{self.prefix}/{self.step}", b"1")
+        self.group.broadcast_object(obj, src=0)
 
     def recv(self):
         self.step += 1
+        if self.link is not None:
+            data = self.link.read(lambda: _store.check([f"{self.prefix}/alive"]))  # raises if rank 0 is gone
+            if data is None:
+                return self.group.broadcast_object(None, src=0)
+            if data[:1] == b"p":
+                return pickle.loads(data[1:])
+            return _unpack(torch.frombuffer(bytearray(data[1:]), dtype=torch.uint8), _device)
         key = f"{self.prefix}/{self.step}"
         nap, t0 = 5e-5, time.monotonic()
         while not _store.check([key]):   # raises if rank 0 (the store's host) is gone

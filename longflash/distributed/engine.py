@@ -27,15 +27,16 @@ from longflash.distributed import comm
 from longflash.distributed.launch import _context
 from longflash.distributed.placement import bind_rank_device
 from longflash.distributed.runner import DCPModelRunner
+from longflash.distributed.shm_channel import LocalLink
 
 logger = logging.getLogger("longflash")
 
 
 def _make_runner(model, config, num_blocks: int, kv_cache_dtype: torch.dtype, device: torch.device,
-                 ps: comm.ParallelState, proposer=None) -> DCPModelRunner:
+                 ps: comm.ParallelState, proposer=None, link=None) -> DCPModelRunner:
     return DCPModelRunner(model, num_blocks, config.block_size, kv_cache_dtype, device,
                           config.calculate_kv_scales, config.context_workspace_rows,
-                          parallel=ps, channel=comm.StepChannel(ps.tp), proposer=proposer)
+                          parallel=ps, channel=comm.StepChannel(ps.tp, link=link), proposer=proposer)
 
 
 def _worker_proposer(drafter: str | None, model, config, num_blocks: int, dtype: torch.dtype, device: torch.device):
@@ -50,7 +51,7 @@ def _worker_proposer(drafter: str | None, model, config, num_blocks: int, dtype:
 
 
 def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_cache_dtype: torch.dtype,
-                 dtype: torch.dtype, num_threads: int, drafter: str | None = None) -> None:
+                 dtype: torch.dtype, num_threads: int, drafter: str | None = None, link=None) -> None:
     """Rank 1..N-1 (local processes): on ``cuda:<rank>`` (made current before anything touches the GPU)
     or the CPU, load the model (and the DFlash drafter at ``drafter``), build this rank's KV shard and
     replicated draft pool, run steps until rank 0 stops. ``num_threads`` (rank 0's torch thread count)
@@ -67,7 +68,7 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
         torch.manual_seed(config.seed)
         model, _ = load_model(config.model, dtype, device, progress=False)
         proposer = _worker_proposer(drafter, model, config, num_blocks, dtype, device)
-        runner = _make_runner(model, config, num_blocks, kv_cache_dtype, device, ps, proposer)
+        runner = _make_runner(model, config, num_blocks, kv_cache_dtype, device, ps, proposer, link)
         runner.serve_forever()
         runner.release_graphs()
     except BaseException:
@@ -128,7 +129,7 @@ def start_dcp(engine) -> DCPModelRunner:
         raise NotImplementedError("decode-context parallelism needs an MLA model (latent cache); this model has "
                                   "a K/V cache (GQA): run it with decode_context_parallel_size 1")
     env = comm.DistEnv.from_torchrun_env()
-    procs = []
+    procs, link = [], None
     if env is not None:
         if env.world_size != world:
             raise ValueError(f"torchrun WORLD_SIZE {env.world_size} != tensor_parallel_size {world}")
@@ -145,10 +146,12 @@ def start_dcp(engine) -> DCPModelRunner:
     else:
         port = cfg.master_port or comm.free_port()
         ctx = _context()
+        link = LocalLink.create(ctx, world - 1)  # same host: steps travel through shared memory
         for r in range(1, world):
             p = ctx.Process(target=_worker_main, daemon=True,
                             args=(r, world, port, cfg, engine.num_blocks, engine.kv_cache_dtype, engine.dtype,
-                                  torch.get_num_threads(), engine.proposer.path if engine.proposer else None))
+                                  torch.get_num_threads(), engine.proposer.path if engine.proposer else None,
+                                  link.for_worker(r)))
             p.start()
             procs.append(p)
         try:
@@ -160,8 +163,9 @@ def start_dcp(engine) -> DCPModelRunner:
     ps = comm.initialize_model_parallel(world, cfg.decode_context_parallel_size, cfg.cp_kv_cache_interleave_size)
     runner = _Rank0Runner(engine.model, engine.num_blocks, cfg.block_size, engine.kv_cache_dtype,
                           engine.device, cfg.calculate_kv_scales, cfg.context_workspace_rows,
-                          parallel=ps, channel=comm.StepChannel(ps.tp), proposer=engine.proposer)
+                          parallel=ps, channel=comm.StepChannel(ps.tp, link=link), proposer=engine.proposer)
     runner.procs = procs
+    runner.channel.check_worker = lambda rank: runner.check_workers()
     logger.info("tensor parallelism %d, decode-context parallelism %d: %d ranks (%s, %s, rank 0 on %s), "
                 "interleave %d", world, cfg.decode_context_parallel_size, world,
                 "torchrun" if env is not None else "local processes", comm.backend(), engine.device,

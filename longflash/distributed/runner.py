@@ -146,7 +146,7 @@ class DCPModelRunner(ModelRunner):
     def propose(self, proposer, requests):
         """Post the requests (workers draft them too, after the pending draft-pool writes), draft,
         and compare every rank's drafts with rank 0's."""
-        self.channel.post(DraftMirror(self._take_commits(), requests))
+        self.channel.post(DraftMirror(self._take_commits(), requests), plain=True)
         drafts = proposer.propose(requests)
         self._check_drafts(drafts)
         return drafts
@@ -172,7 +172,7 @@ class DCPModelRunner(ModelRunner):
                 self.check_workers()
                 batch = dr.plan(sched.scheduled, q)
                 graph, rows = dr.mode(batch.num_reqs, q)
-                self.channel.post(UniformStep(batch, graph, rows))
+                self.channel.post(UniformStep(batch, graph, rows), plain=True)
                 logits, ctx, _, _ = dr.run_batch(batch, graph, rows)
                 return StepResult(logits, dr.spans(sched.scheduled, q), ctx)
         return super().execute(sched, all_logits, tapper, proposer)

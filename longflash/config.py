@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -142,9 +143,15 @@ class EngineConfig:
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "tensor_parallel_size",
+                     "decode_context_parallel_size", "cp_kv_cache_interleave_size"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+            v = int(v)
+            setattr(self, name, v)
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
@@ -153,7 +160,7 @@ class EngineConfig:
             raise ValueError(f"context_workspace_rows ({self.context_workspace_rows}) must be >= block_size "
                              f"({self.block_size})")
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
-        if tp < 1 or dcp < 1 or tp % dcp != 0:
+        if tp % dcp != 0:
             raise ValueError(f"decode_context_parallel_size ({dcp}) must divide tensor_parallel_size ({tp})")
         if self.cp_kv_cache_interleave_size < 1 or self.block_size % self.cp_kv_cache_interleave_size:
             raise ValueError(f"cp_kv_cache_interleave_size ({self.cp_kv_cache_interleave_size}) must be >= 1 and "

@@ -145,3 +145,17 @@ def test_simulated_ranks_equal_full_attention(dcp, interleave, fp8, L, q_len):
     assert (lse - ref_l).abs().max() <= 1e-5
     if L < dcp:  # some rank holds nothing: its lse is -inf
         assert any(bool((p[1] == float("-inf")).all()) for p in parts)
+
+
+@pytest.mark.parametrize("kw,msg", [({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
+                                    ({"decode_context_parallel_size": -2}, "decode_context_parallel_size must be >= 1"),
+                                    ({"tensor_parallel_size": "2"}, "tensor_parallel_size must be an int, got '2'"),
+                                    ({"tensor_parallel_size": 2.0}, "tensor_parallel_size must be an int"),
+                                    ({"cp_kv_cache_interleave_size": True}, "cp_kv_cache_interleave_size must be an int"),
+                                    ({"tensor_parallel_size": 2, "decode_context_parallel_size": 3},
+                                     r"decode_context_parallel_size \(3\) must divide tensor_parallel_size \(2\)")])
+def test_parallel_sizes_are_validated_naming_the_field(kw, msg):
+    from longflash.config import EngineConfig
+    with pytest.raises(ValueError, match=msg):
+        EngineConfig(model="unused", device="cpu", **kw)
+    assert EngineConfig(model="unused", device="cpu", tensor_parallel_size=torch.tensor(1).numpy()[()]).tensor_parallel_size == 1

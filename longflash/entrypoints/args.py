@@ -30,15 +30,19 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="ranks the weights are sharded over (one process per rank; one GPU each on CUDA)")
+    p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1,
+                   help="ranks of each group that shard the KV cache by position (divides -tp; MLA models; "
+                        "KV capacity x dcp)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (decode steps launch their kernels one by one)")
     p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1,
                    help="DCP: consecutive positions stored on one rank before moving to the next (divides block size)")
     p.add_argument("--master-port", type=int, default=None,
                    help="rendezvous port of a multi-process run (default: a free port; torchrun's MASTER_PORT wins)")
     p.add_argument("--distributed-timeout-s", type=float, default=60.0,
                    help="seconds a collective waits for a peer before the engine fails")
-    p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dflash-mxfp8-input", action="store_true",
                    help="feed the DFlash drafter an MXFP8-quantized tap input (staged for large forwards)")
     p.add_argument("--dflash-staged-threshold", type=int, default=512,

@@ -67,7 +67,11 @@ def run_server(args: argparse.Namespace) -> int:
     from longflash.entrypoints.server.metrics import ServerMetrics
 
     tp, dcp = args.tensor_parallel_size, args.decode_context_parallel_size
-    if tp < 1 or dcp < 1 or tp % dcp != 0:
+    for flag, v in (("--tensor-parallel-size", tp), ("--decode-context-parallel-size", dcp)):
+        if v < 1:
+            print(f"error: {flag} must be >= 1, got {v}", file=sys.stderr)
+            return 2
+    if tp % dcp != 0:
         print(f"error: --decode-context-parallel-size ({dcp}) must be >= 1 and divide --tensor-parallel-size "
               f"({tp})", file=sys.stderr)
         return 2

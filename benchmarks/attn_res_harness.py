@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -32,6 +31,7 @@ import torch
 from longflash.layers.attn_res import attn_res_mix
 from longflash.models.attn_res_plan import (ATTN_MIX, PlanError, Schedule, StoragePlan, attn_res_plan,
                                             check_plan, execute_plan, production_bug_plan)
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 
 class RandomSublayers:
@@ -130,14 +130,6 @@ def _cuda_graph(sched, plan, x, sub, iters) -> dict:
                 "seconds_per_forward_cuda_graph": seconds}
     except Exception as e:  # noqa: BLE001 - recorded, the rest of the benchmark still runs
         return {"cuda_graph_error": f"{type(e).__name__}: {e}"}
-
-
-def _commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except Exception:
-        return "unknown"
 
 
 def bench(T: int, H: int, num_layers: int, block_size: int, dtype: torch.dtype, device: str, reps: int = 3,
@@ -273,7 +265,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         res = bench(args.tokens, args.hidden, args.layers, args.block_size, getattr(torch, args.dtype), device,
                     reps=args.reps, iters=args.iters)
-    commit = _commit()
+    commit = provenance.commit()
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
     res.update(commit=commit, command=command, torch=torch.__version__, python=platform.python_version())
     md = markdown(res, command, commit)

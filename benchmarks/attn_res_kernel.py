@@ -23,9 +23,9 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,7 +123,7 @@ def main():
                     rows.append(r)
                     print(json.dumps(r), flush=True)
     ok = all(r["steps_vs_reference"] <= 1.0 for r in rows)
-    meta = dict(commit=_git("rev-parse", "HEAD"), device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+    meta = dict(commit=provenance.commit(), device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
                 torch=torch.__version__, command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 smoke=args.smoke, dtype=str(dtype).replace("torch.", ""), copy_GBps=copy, all_within_one_step=ok,
                 launches_per_call={f"H{h}-S{s}": {"reference": a, "kernel": b} for (h, s), (a, b) in launches.items()},
@@ -153,13 +153,6 @@ def _markdown(meta, rows) -> str:
         else:
             lines.append(f"| {r['H']} | {r['S']} | {r['T']} | {tile} | - | - | - | - | - | {r['steps_vs_reference']:.2f} |")
     return "\n".join(lines) + "\n"
-
-
-def _git(*a) -> str:
-    try:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

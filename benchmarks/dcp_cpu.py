@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -37,6 +36,7 @@ from longflash.default_model_path import default_model_path  # noqa: E402
 from longflash.engine.llm_engine import LLMEngine  # noqa: E402
 from longflash.models.weight_report import weight_memory_report  # noqa: E402
 from longflash.sampling_params import SamplingParams  # noqa: E402
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 DSV3_ROW_BYTES_FP8 = 61 * 576  # 61 MLA layers x (kv_lora_rank 512 + rope 64), one byte each
 
@@ -98,10 +98,7 @@ def main() -> None:
     budget = parse_bytes(args.kv_budget)
     dsv3 = [{"dcp": n, "per_rank_bytes_per_token": DSV3_ROW_BYTES_FP8 / n,
              "tokens_at_budget": budget // DSV3_ROW_BYTES_FP8 * n} for n in (1, 2, 4, 8)]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = provenance.commit()
     res = {"commit": commit, "cpu_count": os.cpu_count(), "load_avg_1min_at_start": load,
            "torch_threads": torch.get_num_threads(),
            "command": "python benchmarks/dcp_cpu.py " + " ".join(sys.argv[1:]), "args": vars(args), "rows": rows,

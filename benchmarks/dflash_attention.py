@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -48,6 +47,7 @@ from longflash.spec_decode import dflash_attention as da  # noqa: E402
 from longflash.spec_decode import dflash_attention_triton as tk  # noqa: E402
 from longflash.spec_decode import dflash_model  # noqa: E402
 from longflash.ops.triton_env import sm_count  # noqa: E402
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 NH, KVH, HD, BK, BLOCK = 4, 2, 64, 8, 16  # the shipped drafter; the engine's pool block size
 
@@ -310,10 +310,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     if not cuda:  # tiny shapes: the interpreter is slow
         args.batch, args.contexts, args.capacity, args.calls, args.replays = [1, 2], [16, 40], 64, 2, 1
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = provenance.commit()
     result = {"device": torch.cuda.get_device_name(dev) if cuda else "cpu (TRITON_INTERPRET=1)", "commit": commit,
               "command": "python3 benchmarks/dflash_attention.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__, "errors": {}}

@@ -36,7 +36,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 FULL = dict(vocab_size=129280, hidden_size=2048, intermediate_size=8192, moe_intermediate_size=256,
             num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
@@ -416,8 +416,8 @@ def main() -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     res = {"config": cfg, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "args": vars(args), "command": " ".join(["python3"] + sys.argv)}
+    res["commit"] = provenance.commit()
     try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         import transformers
         res["transformers"] = transformers.__version__
     except Exception:  # noqa: BLE001 — provenance only

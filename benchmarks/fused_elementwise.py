@@ -22,9 +22,9 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,10 +157,7 @@ def main():
             rows.append(dict(op=f"{act}_and_mul", model=name, dtype=str(dt)[6:], T=n, I=I, kernel_us=t_k * 1e6,
                              ref_us=t_r * 1e6, speedup=t_r / t_k, bytes=nbytes, GBps=nbytes / t_k / 1e9,
                              frac_of_copy=nbytes / t_k / 1e9 / ceiling["GBps"], **err))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = provenance.commit()
     result = {"commit": commit, "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor(),
               "torch": torch.__version__, "smoke": ARGS.smoke, "calls_per_graph": ARGS.calls,
               "command": " ".join([sys.executable] + sys.argv), "copy": ceiling, "seconds": time.time() - t_start,

@@ -32,9 +32,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -260,10 +260,7 @@ def main():
     timer = Timer(dev, args.reps, args.sets, args.replays)
     t0 = time.time()
     ceilings = copy_bw(timer, (1 << 30) if dev.type == "cuda" else (1 << 22), dev, 1 if dev.type == "cpu" else 2)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = provenance.commit()
     import triton
     res = dict(benchmark="kv_cache_ops", commit=commit or "unknown",
                device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -24,6 +23,7 @@ sys.path.insert(0, REPO)
 
 from longflash.config import parse_bytes  # noqa: E402
 from longflash.models.base import KVCacheSpec  # noqa: E402
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 FP8 = torch.float8_e4m3fn
 
@@ -79,7 +79,7 @@ def main(argv=None):
                     speculative_config="off").engine.startup_report()
             rep[kvd] = {"kv_bytes_per_token": r["kv_bytes_per_token"], "kv_cache_tokens": r["kv_cache_tokens"]}
         check = {"budget_bytes": 2**20, "engine_report": rep}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     res = {"benchmark": "kv_capacity", "commit": commit, "budget_bytes": budget, "block_size": bs,
            "command": "python " + " ".join(["benchmarks/kv_capacity.py"] + (argv or sys.argv[1:])),
            "rows": rows, "engine_check": check}

@@ -53,7 +53,6 @@ import os
 import random
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +60,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 T0 = time.perf_counter()
 
@@ -382,10 +382,7 @@ def main() -> int:
         args.kv_cache_memory = int(blocks * 16 * meta.kv_cache_spec().bytes_per_token(kv_dtype) * 1.01) + 1
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "args": vars(args), "command": " ".join(["python3"] + sys.argv), "completed": False}
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
+    res["commit"] = provenance.commit()
     try:
         run(args, res, dev)
     except Exception as e:  # noqa: BLE001 — recorded (OOM included), then re-raised after the report

@@ -26,9 +26,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -320,11 +320,7 @@ def summary() -> str:
 
 
 def main() -> None:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = provenance.commit(short=True)
     import triton
     RESULT.update(commit=commit, torch=torch.__version__, triton=triton.__version__,
                   device=torch.cuda.get_device_name() if CUDA else f"CPU interpreter ({platform.machine()})",

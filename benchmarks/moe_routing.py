@@ -28,9 +28,9 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,10 +166,7 @@ def main():
         rows += bench_model(*m, dev, copy_bps, tokens)
     for m in models:
         sweep += warps_sweep(*m, dev, [1] if ARGS.smoke else [1, 128])
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = provenance.commit()
     meta = dict(commit=commit, device=torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor(),
                 torch=torch.__version__, command=" ".join([sys.executable] + sys.argv), smoke=ARGS.smoke,
                 copy_TBps=copy_bps / 1e12 if copy_bps else None, calls_per_graph=ARGS.calls, replays=ARGS.replays)

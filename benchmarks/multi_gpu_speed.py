@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 T0 = time.perf_counter()
 
@@ -193,15 +193,7 @@ def main() -> int:
     dev = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     cfg = dict(TINY if args.tiny else FULL, num_hidden_layers=2 if args.tiny else args.layers,
                max_position_embeddings=args.context + 128)
-    marker = os.path.join(REPO, "COMMIT")  # a `git archive` copy names its commit here (git would name the parent's)
-    if os.path.exists(marker):
-        commit = open(marker).read().strip()
-    else:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                    text=True).stdout.strip()
-        except OSError:
-            commit = ""
+    commit = provenance.commit()
     res = {"benchmark": "multi_gpu_speed", "commit": commit or "unknown",
            "command": "python3 benchmarks/multi_gpu_speed.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
            "device": ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if dev == "cuda"

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -39,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from longflash.layers.activation import situ_and_mul  # noqa: E402
 from longflash.layers.mxfp4 import MXFP4Experts, e2m1_table, e8m0_to_float, run_mxfp4_experts  # noqa: E402
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 K3 = dict(hidden=3584, inter=3072, experts=896, top_k=16)
 SMOKE = dict(hidden=256, inter=128, experts=8, top_k=2)
@@ -76,17 +76,6 @@ PREFILL_SWEEP = {
                                programs_per_sm=1),
 }
 GRAPH_MAX_TOKENS = 64  # decode sizes are also timed as CUDA graph replays (how the engine runs them)
-
-
-def _commit() -> str:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "longflash", "benchmarks"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return (sha or "HEAD") + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def _time(fn, iters: int, warmup: int, device: torch.device) -> float:
@@ -228,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     per_layer_weights = n_exp_layer * 3 * D * I
     packed_layer = n_exp_layer * expert_bytes(D, I)
     result = {
-        "benchmark": "mxfp4_moe", "commit": _commit(), "command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+        "benchmark": "mxfp4_moe", "commit": provenance.commit(), "command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "backend": "triton" if use_triton else "pytorch-reference",
         "shapes": dict(latent=D, intermediate=I, experts_in_memory=E, top_k=k, activation_dtype=str(dtype).replace("torch.", "")),

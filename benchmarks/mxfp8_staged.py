@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -35,6 +34,7 @@ from longflash.ops import triton_launch  # noqa: E402
 from longflash.spec_decode.staged_input import (DEFAULT_ROW_CHUNK, LiveTensorBytes,  # noqa: E402
                                                 StagedDrafterInput, concat_then_quantize,
                                                 default_dequantize_fn, mxfp8_buffers, project_mxfp8)
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 REF_STAGED_BYTES = 663_355_904
 REF_CONCAT_BYTES = 1_278_083_584
@@ -236,10 +236,7 @@ class Bench:
 
     # ---- sections ----------------------------------------------------------------------------------
     def env(self):
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        except Exception:
-            commit = ""
+        commit = provenance.commit()
         info = {"commit": commit or "unknown", "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                 "torch": torch.__version__, "python": sys.version.split()[0],
                 "device": torch.cuda.get_device_name() if self.cuda else "cpu",

@@ -34,13 +34,13 @@ import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 
 def parse_args(argv=None):
@@ -252,10 +252,7 @@ def main() -> int:
     ngpu = torch.cuda.device_count()
     dev = torch.device("cuda" if (args.device == "cuda" or (args.device == "auto" and ngpu)) else "cpu")
     ranks_available = ngpu if dev.type == "cuda" else 1 << 30
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = provenance.commit()
     res = {"benchmark": "nccl_smoke", "commit": commit or "unknown", "command": " ".join(sys.argv),
            "host": platform.node(), "torch": torch.__version__, "device": str(dev), "gpus_visible": ngpu,
            "gpu_names": [torch.cuda.get_device_name(i) for i in range(ngpu)],

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -33,6 +32,7 @@ from longflash.distributed.launch import _context, run_ranks  # noqa: E402
 from longflash.distributed.runner import UniformStep  # noqa: E402
 from longflash.distributed.shm_channel import LocalLink  # noqa: E402
 from longflash.runner.cuda_graph import UniformBatch  # noqa: E402
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 KINDS = {"decode b1, 2048 blocks": (1, 2048), "decode b64, 512 blocks": (64, 512)}
 
@@ -93,8 +93,7 @@ def main() -> int:
         return 1
     rows = json.load(open(raw))
     os.remove(raw)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = provenance.commit(short=True)
     res = {"commit": commit, "command": "python3 benchmarks/step_channel.py " + " ".join(sys.argv[1:]),
            "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "rows": rows}
     with open(os.path.join(args.out, "step_channel.json"), "w") as f:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-DEFAULT_CAPACITY = 16 << 20   # bytes: a decode step of 256 requests x 64K blocks of block table is ~64 MiB
+DEFAULT_CAPACITY = 8 << 20    # bytes (a /dev/shm file): a uniform step of 64 requests x 32K blocks fits; larger take gloo
 POLL_S = 0.5                  # a waiting side checks its peer's liveness this often (seconds)
 
 

@@ -1,28 +1,34 @@
-"""Multi-GPU runs of issue #11 on 2 GPUs: tensor parallelism (TP) and decode-context parallelism (DCP)
-against one GPU (correctness), the KV tokens per GPU vs DCP size and the longest prompt that completes
-(capacity), passkey retrieval under ``-tp 2 -dcp 2`` with an fp8 cache. No timings.
+"""Multi-GPU runs of issue #11 on N = ``--world`` GPUs (2 or 4): tensor parallelism (TP) and
+decode-context parallelism (DCP) against one GPU (correctness), the KV tokens per GPU vs DCP size and the
+longest prompt that completes (capacity), passkey retrieval under ``-tp N -dcp N`` with an fp8 cache. No
+timings. Every TP engine runs at tp = N; the DCP sizes are ``--dcps`` (default 1, 2 and N, those that
+divide N).
 
-    python3 benchmarks/multi_gpu.py --out DIR --budget-s 330     # the 2-GPU machine (NCCL, rank r on cuda:r)
-    OMP_NUM_THREADS=1 python3 benchmarks/multi_gpu.py --out DIR --tiny   # this CPU: tiny sizes, gloo (~2-3 min)
+    python3 benchmarks/multi_gpu.py --out DIR --budget-s 330             # GPUs (NCCL, rank r on cuda:r);
+                                                                         # --world: min(visible, 2)
+    python3 benchmarks/multi_gpu.py --out DIR --world 4 --sections dsv3 --dcps 4,1   # a 4-GPU call's share
+    OMP_NUM_THREADS=1 python3 benchmarks/multi_gpu.py --out DIR --tiny   # this CPU: tiny sizes, gloo, world 2
 
-What ``benchmarks/nccl_smoke.py`` already ran on 2 GPUs (default model, tp2/dcp1 and tp2/dcp2, bf16 +
-fp32 logits, 128 fp32 greedy tokens, DFlash, a killed worker) is not repeated. Sections (each recorded
-as ran / passed / skipped with the reason, its engines' start-up numbers and seconds):
+What ``benchmarks/nccl_smoke.py`` runs (default model, its ``--configs``, bf16 + fp32 logits, 128 fp32
+greedy tokens, DFlash, a killed worker) is not repeated. Sections (each recorded as ran / passed /
+skipped with the reason, its engines' start-up numbers and seconds); "tpN/dcpD" is the engine
+``-tp N -dcp D``:
 
 1. ``dsv3``: a DeepSeek-V3-architecture model with random weights (``e2e_decode.FULL``, 3.3B parameters;
    ``--tiny``: ``e2e_decode.TINY``) built once in bf16 by HF transformers into a temporary checkpoint
-   (``e2e_decode.build_checkpoint``). tp1 is the reference; tp2/dcp1 and tp2/dcp2 are compared with it:
+   (``e2e_decode.build_checkpoint``). tp1 is the reference; tpN/dcpD for each D (largest first) is
+   compared with it:
    - bf16: a 160-token prompt scored in 32-token chunks. Pass: the TP engine's max |logit - fp32 logit|
      <= 1.5 x the one-GPU bf16 engine's own (nccl_smoke's criterion: bf16 is "within bf16 tolerance"
      when TP makes the bf16 error no larger than 1.5 x what bf16 alone costs on one GPU).
    - fp32 (the same bf16 weights upcast): the same logits within 1e-4 x max |logit|, and 128 greedy
      tokens of 3 prompts identical (the issue's criterion; row-parallel sums change only the order of
      fp32 additions). A divergence is reported with both engines' top-1/top-2 logit margin there.
-   - fp8 KV cache + chunked-context prefill (fp32 model, tp2/dcp2): ``context_workspace_rows`` 256
-     and ``max_num_batched_tokens`` 256 against 1000-1200-token prompts, so the later prefill chunks
+   - fp8 KV cache + chunked-context prefill (fp32 model, at the largest D only): ``context_workspace_rows``
+     256 and ``max_num_batched_tokens`` 256 against 1000-1200-token prompts, so the later prefill chunks
      read their cached (fp8) context in up to 4 workspace chunks (tiny: 32/64 rows and 200-300 tokens).
-2. ``default_fp8_chunked``: the same fp8 + chunked-context comparison on the default model at tp2/dcp1
-   and tp2/dcp2.
+2. ``default_fp8_chunked``: the same fp8 + chunked-context comparison on the default model at each
+   tpN/dcpD.
    fp8 criterion (chosen from the CPU measurements, before any GPU run): an ulp of difference in a
    latent (TP sums in another order) can round to the neighbouring fp8 value, so fp8 logits are not
    held to the fp32 bound. Instead, with E = max |fp8 logits - fp32-cache logits| of the one-GPU engine
@@ -39,19 +45,21 @@ as ran / passed / skipped with the reason, its engines' start-up numbers and sec
    which that test checks on a 57-token prompt. Greedy tokens were identical in every CPU run.
 3. ``passkey``: the default model (fp32, as tests/test_tp.py), 10 passkeys hidden in 2048-token prompts
    (``make_passkey_prompt``), fp8 cache with ``calculate_kv_scales``, 512-token prefill chunks, under
-   ``-tp 2 -dcp 2`` with prefix caching on (hits reported) and off: pass when >= 9/10 each. tp1 with
+   ``-tp N -dcp N`` with prefix caching on (hits reported) and off: pass when >= 9/10 each. tp1 with
    the same settings is the reference (answers identical or not, not gated). The prefix-hit length
-   decides which rows are read back quantized, so both use a 4-token logical block (tp1: block 4;
-   dcp 2: block 2; docs/dcp.md, "fp8 + prefix caching").
+   decides which rows are read back quantized, so both use the same logical block of L = 4 tokens
+   (N > 4: L = N): tp1 block L, dcp N block L / N (docs/dcp.md, "fp8 + prefix caching").
 4. ``capacity``: (a) KV tokens per GPU and in total at a fixed per-GPU budget (``--kv-budget``, 8 GiB)
-   for the DSV3 model with bf16 and fp8 caches at tp1, tp2/dcp1, tp2/dcp2, read from each engine's
-   ``startup_report()`` (the section-1 engines ran at that budget; one more engine gives fp8 at
-   tp2/dcp1), ratios vs DCP 1 (expect tokens x dcp at the same per-GPU bytes); and the default sizing
-   (no budget: 0.9 x free GPU memory - 1 GiB of rank 0) with an fp8 cache at tp1 and tp2/dcp2.
-   (b) the default model, fp8 cache, a per-GPU budget of ``--long-tokens`` (65,536) tokens, at tp2/dcp1
-   and tp2/dcp2: a prompt of (capacity - 4) tokens + 4 greedy tokens completes, and a prompt one
-   logical block longer is refused (the error is recorded). The model's ``max_position_embeddings``
-   (4096) is lifted as ``long_context.py`` does (``long_model_dir``).
+   for the DSV3 model with bf16 and fp8 caches at tp1 and each tpN/dcpD, read from each engine's
+   ``startup_report()`` (the section-1 engines that ran at that budget count; an engine is started for
+   each missing row, the checkpoint is built when section 1 did not run), ratios vs DCP 1 (expect
+   tokens x dcp at the same per-GPU bytes); and the default sizing (no budget: 0.9 x free GPU memory -
+   1 GiB of rank 0) with an fp8 cache at tp1 and tpN/dcpN.
+   (b) the default model, fp8 cache, a per-GPU budget of ``--long-tokens`` (65,536) tokens, at tpN with
+   dcp 1, N and then the other D: a prompt of (capacity - 4) tokens + 4 greedy tokens completes, and a
+   prompt one logical block longer is refused (the error is recorded); pass when every run does and the
+   capacity is dcp x that of dcp 1. The model's ``max_position_embeddings`` (4096) is lifted as
+   ``long_context.py`` does (``long_model_dir``).
 
 Engines run as users get them: on GPUs decode steps replay CUDA graphs, on one GPU and under TP alike
 (TP graphs since 8dd4447), so the greedy comparisons put the eager prefill + graph decode of both sides
@@ -62,7 +70,7 @@ in the passkey runs.
 A unit (an engine, the checkpoint build) whose estimated end would pass ``--budget-s`` (seconds since
 the start) is skipped and recorded with the reason. DIR/multi_gpu.json is rewritten after every unit
 (a timeout keeps what finished), DIR/multi_gpu.md (tables) with it. Exit code 0 when every check that
-ran passed.
+ran passed. ``benchmarks/run_multi_gpu.sh`` splits the runs of issue #11 into device calls.
 """
 from __future__ import annotations
 
@@ -123,10 +131,12 @@ class Sizes:
     est: dict = field(default_factory=dict)       # unit -> estimated seconds
 
 
-# Seconds per unit on the 2-GPU machine (engine start + its work; nccl_smoke's TP engines of the default
-# model took ~20 s each with 128 eager greedy steps) and on this CPU at the tiny sizes.
-GPU_EST = {"build": 25, "dsv3_bf16": 12, "dsv3_fp32": 15, "dsv3_fp8": 18, "tp_bf16": 15, "tp_fp32": 30,
-           "tp_fp8": 35, "small": 20, "passkey": 15, "report": 12, "long": 30}
+# Seconds per unit (engine start + its work), rounded up from the 2-GPU H200 runs of
+# results/multi_gpu_x2 (tp_fp8 and report: not measured there, from their neighbours; "long" is per
+# dcp 1, x max(1, dcp / 2) at larger dcp: a dcp-times-longer prompt, its prefill attention split over
+# dcp ranks) and on this CPU at the tiny sizes.
+GPU_EST = {"build": 25, "dsv3_bf16": 10, "dsv3_fp32": 35, "dsv3_fp8": 25, "tp_bf16": 30, "tp_fp32": 45,
+           "tp_fp8": 50, "small": 25, "passkey": 30, "report": 15, "long": 30}
 CPU_EST = {"build": 5, "dsv3_bf16": 3, "dsv3_fp32": 5, "dsv3_fp8": 5, "tp_bf16": 5, "tp_fp32": 8, "tp_fp8": 10,
            "small": 10, "passkey": 15, "report": 5, "long": 15}
 
@@ -199,13 +209,15 @@ class Bench:
 
     def __init__(self, args, sz: Sizes, dev: str):
         self.args, self.sz, self.dev = args, sz, dev
+        self.world, self.dcps = args.world, args.dcps   # every TP engine: -tp world -dcp d, d in dcps
         self.sec: dict | None = None
-        self.ckpt: str | None = None          # the DSV3 checkpoint (built in section 1, reused in 4)
+        self.ckpt: str | None = None          # the DSV3 checkpoint (built by section 1 or 4, then reused)
         self.reports: dict = {}               # (model, tp, dcp, kv dtype, budget) -> startup report subset
         ngpu = torch.cuda.device_count()
+        marker = os.path.join(REPO, "COMMIT")   # a copied tree names its commit here (as multi_gpu_speed.py)
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                    text=True).stdout.strip()
+            commit = open(marker).read().strip() if os.path.exists(marker) else subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
         except OSError:
             commit = ""
         self.res = {"benchmark": "multi_gpu", "commit": commit or "unknown",
@@ -213,6 +225,7 @@ class Bench:
                     "device": dev, "backend": "nccl" if dev == "cuda" else "gloo", "gpus_visible": ngpu,
                     "gpu_names": [torch.cuda.get_device_name(i) for i in range(ngpu)],
                     "nccl": _nccl_version() if ngpu else None, "tiny": args.tiny, "budget_s": args.budget_s,
+                    "world": self.world, "dcps": self.dcps,
                     "sizes": {k: v for k, v in asdict(self.sz).items() if k not in ("dsv3", "est")},
                     "criteria": {"bf16_err_ratio": BF16_ERR_RATIO, "fp32_rel_tol": FP32_REL_TOL,
                                  "fp8_rel_to_fp8_err": FP8_REL_TO_FP8_ERR, "passkey_min": PASSKEY_MIN},
@@ -226,10 +239,10 @@ class Bench:
         with open(os.path.join(self.args.out, "multi_gpu.md"), "w") as f:
             f.write(report_md(self.res) + "\n")
 
-    def fits(self, name: str, unit: str) -> bool:
-        """True when unit ``unit`` (a key of the estimates) fits the budget; else records ``name`` as
-        skipped in the running section."""
-        est = self.sz.est[unit]
+    def fits(self, name: str, unit: str, factor: float = 1.0) -> bool:
+        """True when unit ``unit`` (a key of the estimates; ``factor`` x its estimate) fits the budget;
+        else records ``name`` as skipped in the running section."""
+        est = round(factor * self.sz.est[unit])
         if elapsed() + est <= self.args.budget_s:
             return True
         why = f"budget: {elapsed():.0f} s used + ~{est} s estimated > {self.args.budget_s:.0f} s"
@@ -371,22 +384,32 @@ def _randint(seed: int, vocab: int, n: int) -> list[int]:
 
 
 # ---- sections ----------------------------------------------------------------------------------
-def sec_dsv3(b: Bench) -> None:
-    sz, cfg = b.sz, b.sz.dsv3
+def build_dsv3(b: Bench) -> bool:
+    """Build the DSV3 checkpoint into ``b.ckpt`` unless built (recorded in the running section); False
+    when the build does not fit the budget."""
+    if b.ckpt:
+        return True
     if not b.fits("build checkpoint", "build"):
-        return
+        return False
     t = time.monotonic()
     b.ckpt = tempfile.mkdtemp(prefix="multi-gpu-dsv3-")
-    model = build_checkpoint(cfg, torch.device(b.dev), torch.bfloat16, b.ckpt)
+    model = build_checkpoint(b.sz.dsv3, torch.device(b.dev), torch.bfloat16, b.ckpt)
     b.sec["params"] = sum(p.numel() for p in model.parameters())
     del model
     _free(b.dev)
     b.sec["build_s"] = round(time.monotonic() - t, 1)
     log(f"  built {b.sec['params'] / 1e9:.3f}B parameters in {b.sec['build_s']} s")
+    return True
+
+
+def sec_dsv3(b: Bench) -> None:
+    sz, cfg, n = b.sz, b.sz.dsv3, b.world
+    if not build_dsv3(b):
+        return
     vocab, path = cfg["vocab_size"], b.ckpt
     score = {"s": (_randint(1, vocab, sz.score_len), sz.score_chunk)}
     prompts = _prompts(vocab)
-    fp8_prompts = [_randint(3 + i, vocab, n) for i, n in enumerate(sz.fp8_lens)]
+    fp8_prompts = [_randint(3 + i, vocab, k) for i, k in enumerate(sz.fp8_lens)]
     kw = dict(kv_cache_memory=sz.kv_budget)
     f8kw = dict(kw, kv_cache_dtype="fp8", context_workspace_rows=sz.workspace, max_num_batched_tokens=sz.batched)
     b.sec["fp8_settings"] = _fp8_settings(sz.fp8_lens, sz)
@@ -396,35 +419,35 @@ def sec_dsv3(b: Bench) -> None:
                    dict(score, fp8_fp32cache=(fp8_prompts[0], sz.batched)), prompts, sz.tokens, **kw)
     r8 = b.engine("tp1 fp32 fp8-cache chunked", "dsv3_fp8", path, 1, 1, "float32",
                   {"fp8": (fp8_prompts[0], sz.batched)}, fp8_prompts, sz.tokens, **f8kw)
-    # A TP engine runs only when the references it is compared with exist. dcp 2 first (nccl_smoke has
-    # run the default model at tp2/dcp1 already): if the budget runs out, tp2/dcp1 is what is skipped.
-    for tp, dcp in ((2, 2), (2, 1)):
-        if r16 and r32 and (g := b.engine(f"tp{tp} dcp{dcp} bf16", "tp_bf16", path, tp, dcp, "bfloat16", score,
+    # A TP engine runs only when the references it is compared with exist. The largest dcp first
+    # (nccl_smoke runs the default model at dcp 1 too): if the budget runs out, dcp 1 is what is skipped.
+    for dcp in sorted(b.dcps, reverse=True):
+        if r16 and r32 and (g := b.engine(f"tp{n} dcp{dcp} bf16", "tp_bf16", path, n, dcp, "bfloat16", score,
                                           enforce_eager=True, **kw)):
-            bf16_check(b, f"tp{tp}_dcp{dcp}_bf16", g, r16, r32)
-        if r32 and (g := b.engine(f"tp{tp} dcp{dcp} fp32", "tp_fp32", path, tp, dcp, "float32", score, prompts,
+            bf16_check(b, f"tp{n}_dcp{dcp}_bf16", g, r16, r32)
+        if r32 and (g := b.engine(f"tp{n} dcp{dcp} fp32", "tp_fp32", path, n, dcp, "float32", score, prompts,
                                   sz.tokens, **kw)):
-            fp32_check(b, f"tp{tp}_dcp{dcp}_fp32", g, r32)
-        if dcp == 2 and r8 and r32 and (g := b.engine("tp2 dcp2 fp32 fp8-cache chunked", "tp_fp8", path, 2, 2,
-                                                      "float32", {"fp8": (fp8_prompts[0], sz.batched)},
-                                                      fp8_prompts, sz.tokens, **f8kw)):
-            fp8_check(b, "tp2_dcp2_fp8_chunked", g, r8, r32["logits"]["fp8_fp32cache"])
+            fp32_check(b, f"tp{n}_dcp{dcp}_fp32", g, r32)
+        if dcp == max(b.dcps) and r8 and r32 and (g := b.engine(
+                f"tp{n} dcp{dcp} fp32 fp8-cache chunked", "tp_fp8", path, n, dcp, "float32",
+                {"fp8": (fp8_prompts[0], sz.batched)}, fp8_prompts, sz.tokens, **f8kw)):
+            fp8_check(b, f"tp{n}_dcp{dcp}_fp8_chunked", g, r8, r32["logits"]["fp8_fp32cache"])
 
 
 def sec_default_fp8(b: Bench) -> None:
     from longflash.default_model_path import default_model_path
-    sz, path = b.sz, default_model_path()
-    prompts = [_randint(10 + i, 8192, n) for i, n in enumerate(sz.default_fp8_lens)]
+    sz, path, n = b.sz, default_model_path(), b.world
+    prompts = [_randint(10 + i, 8192, k) for i, k in enumerate(sz.default_fp8_lens)]
     b.sec["fp8_settings"] = _fp8_settings(sz.default_fp8_lens, sz)
     score = {"fp8": (prompts[0], sz.batched)}
     kw = dict(num_gpu_blocks=512, context_workspace_rows=sz.workspace, max_num_batched_tokens=sz.batched)
     r32 = b.engine("tp1 fp32 fp32-cache", "small", path, 1, 1, "float32", score, enforce_eager=True, **kw)
     r8 = b.engine("tp1 fp32 fp8-cache chunked", "small", path, 1, 1, "float32", score, prompts, sz.tokens,
                   kv_cache_dtype="fp8", **kw)
-    for dcp in (1, 2):
-        if r8 and r32 and (g := b.engine(f"tp2 dcp{dcp} fp32 fp8-cache chunked", "small", path, 2, dcp, "float32",
+    for dcp in sorted(b.dcps):
+        if r8 and r32 and (g := b.engine(f"tp{n} dcp{dcp} fp32 fp8-cache chunked", "small", path, n, dcp, "float32",
                                          score, prompts, sz.tokens, kv_cache_dtype="fp8", **kw)):
-            fp8_check(b, f"tp2_dcp{dcp}_fp8_chunked", g, r8, r32["logits"]["fp8"])
+            fp8_check(b, f"tp{n}_dcp{dcp}_fp8_chunked", g, r8, r32["logits"]["fp8"])
 
 
 def passkey_run(b: Bench, trials: list, tp: int, dcp: int, block_size: int, prefix: bool) -> dict:
@@ -463,8 +486,10 @@ def sec_passkey(b: Bench) -> None:
     tok = load_tokenizer(default_model_path())
     trials = [make_passkey_prompt(tok, sz.passkey_len, seed) for seed in range(sz.passkeys)]
     b.sec["prompt_tokens"] = [len(tok.encode(p, add_special_tokens=False)) for p, _ in trials]
-    answers = {}
-    for tp, dcp, bs in ((2, 2, 2), (1, 1, 4)):      # a 4-token logical block in both
+    answers, n = {}, b.world
+    logical = 4 if 4 % n == 0 else n                # the same logical block (block_size x dcp) in both
+    b.sec["logical_block"] = logical
+    for tp, dcp, bs in ((n, n, logical // n), (1, 1, logical)):
         for prefix in (True, False):
             label = f"tp{tp} dcp{dcp} prefix {'on' if prefix else 'off'}"
             if not b.fits(label, "passkey"):
@@ -480,48 +505,53 @@ def sec_passkey(b: Bench) -> None:
             log(f"  {label}: {run['retrieved']}/{run['of']} in {run['seconds']} s "
                 f"(prefix hits {run['prefix_cache_hits']})")
             if tp > 1:
-                b.check(f"tp2_dcp2_prefix_{'on' if prefix else 'off'}",
+                b.check(f"tp{n}_dcp{n}_prefix_{'on' if prefix else 'off'}",
                         run["retrieved"] >= PASSKEY_MIN * run["of"] and (run["prefix_cache_hits"] > 0 or not prefix),
                         retrieved=f"{run['retrieved']}/{run['of']}", prefix_cache_hits=run["prefix_cache_hits"])
-            elif (2, prefix) in answers:
-                run["answers_identical_to_tp2_dcp2"] = answers[(2, prefix)] == answers[(1, prefix)]
+            elif (n, prefix) in answers:
+                run[f"answers_identical_to_tp{n}_dcp{n}"] = answers[(n, prefix)] == answers[(1, prefix)]
             b.write()
 
 
 def sec_capacity(b: Bench) -> None:
-    long_prompt(b)   # (b) first: (a) has most of its numbers from section 1 already
-    sz, rows = b.sz, []
-    if b.ckpt:   # (a) the DSV3 model at the fixed per-GPU budget; the section-1 engines' reports first
-        name = os.path.basename(b.ckpt)
-        if (name, 2, 1, "float8_e4m3fn", sz.kv_budget) not in b.reports:   # section 1 ran fp8 at tp1, tp2/dcp2
-            b.engine("tp2 dcp1 bf16 fp8-cache (report)", "report", b.ckpt, 2, 1, "bfloat16", kv_cache_dtype="fp8",
-                     kv_cache_memory=sz.kv_budget, enforce_eager=True)
-        for tp, dcp in ((1, 1), (2, 2)):   # the default sizing
-            b.engine(f"tp{tp} dcp{dcp} bf16 fp8-cache default sizing (report)", "report", b.ckpt, tp, dcp,
-                     "bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
-        for key, rep in sorted(b.reports.items(), key=lambda kv: (kv[0][3], str(kv[0][4]), kv[0][1], kv[0][2])):
-            if key[0] != name:
-                continue
-            rows.append({"kv_cache_dtype": key[3], "budget": key[4], "tp": key[1], "dcp": key[2],
-                         "tokens_total": rep["kv_cache_tokens"], "tokens_per_gpu": rep["kv_cache_tokens"] // key[2],
-                         "blocks_per_gpu": rep["kv_cache_blocks"], "kv_bytes_per_gpu": rep["kv_cache_bytes"],
-                         "kv_bytes_per_token_row": rep["kv_bytes_per_token"]})
-        for r in rows:   # against dcp 1 of the same cache dtype and budget (tp1 and tp2/dcp1 hold the same)
-            base = next((x for x in rows if (x["kv_cache_dtype"], x["budget"], x["dcp"]) ==
-                         (r["kv_cache_dtype"], r["budget"], 1)), None)
-            r["tokens_ratio_vs_dcp1"] = r["tokens_total"] / base["tokens_total"] if base else None
-            r["kv_bytes_ratio_vs_dcp1"] = r["kv_bytes_per_gpu"] / base["kv_bytes_per_gpu"] if base else None
-        b.sec["per_gpu_budget_table"] = rows
-        # at the fixed per-GPU budget: the same bytes per GPU, tokens x dcp (every row with a dcp-1 row)
-        fixed = [r for r in rows if r["budget"] == sz.kv_budget and r["tokens_ratio_vs_dcp1"] is not None]
-        b.check("dsv3_tokens_x_dcp_at_fixed_budget",
-                any(r["dcp"] > 1 for r in fixed) and all(r["tokens_ratio_vs_dcp1"] == r["dcp"]
-                                                         and r["kv_bytes_ratio_vs_dcp1"] == 1 for r in fixed),
-                rows_compared=len(fixed), cache_dtypes=sorted({r["kv_cache_dtype"] for r in fixed}))
+    long_prompt(b)   # (b) first: (a) has most of its numbers from section 1 when that ran
+    sz, n, rows = b.sz, b.world, []
+    if not build_dsv3(b):
+        return
+    # (a) the DSV3 model at the fixed per-GPU budget: the section-1 engines' reports, an engine per missing row
+    name = os.path.basename(b.ckpt)
+    for cache, kv_dtype in (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn")):
+        for tp, dcp in [(1, 1)] + [(n, d) for d in sorted(b.dcps)]:
+            if (name, tp, dcp, kv_dtype, sz.kv_budget) not in b.reports:
+                b.engine(f"tp{tp} dcp{dcp} bf16 {cache}-cache (report)", "report", b.ckpt, tp, dcp, "bfloat16",
+                         kv_cache_dtype="fp8" if cache == "fp8" else "auto", kv_cache_memory=sz.kv_budget,
+                         enforce_eager=True)
+    for tp, dcp in ((1, 1), (n, n)):   # the default sizing
+        b.engine(f"tp{tp} dcp{dcp} bf16 fp8-cache default sizing (report)", "report", b.ckpt, tp, dcp,
+                 "bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
+    for key, rep in sorted(b.reports.items(), key=lambda kv: (kv[0][3], str(kv[0][4]), kv[0][1], kv[0][2])):
+        if key[0] != name:
+            continue
+        rows.append({"kv_cache_dtype": key[3], "budget": key[4], "tp": key[1], "dcp": key[2],
+                     "tokens_total": rep["kv_cache_tokens"], "tokens_per_gpu": rep["kv_cache_tokens"] // key[2],
+                     "blocks_per_gpu": rep["kv_cache_blocks"], "kv_bytes_per_gpu": rep["kv_cache_bytes"],
+                     "kv_bytes_per_token_row": rep["kv_bytes_per_token"]})
+    for r in rows:   # against dcp 1 of the same cache dtype and budget (tp1 and tpN/dcp1 hold the same)
+        base = next((x for x in rows if (x["kv_cache_dtype"], x["budget"], x["dcp"]) ==
+                     (r["kv_cache_dtype"], r["budget"], 1)), None)
+        r["tokens_ratio_vs_dcp1"] = r["tokens_total"] / base["tokens_total"] if base else None
+        r["kv_bytes_ratio_vs_dcp1"] = r["kv_bytes_per_gpu"] / base["kv_bytes_per_gpu"] if base else None
+    b.sec["per_gpu_budget_table"] = rows
+    # at the fixed per-GPU budget: the same bytes per GPU, tokens x dcp (every row with a dcp-1 row)
+    fixed = [r for r in rows if r["budget"] == sz.kv_budget and r["tokens_ratio_vs_dcp1"] is not None]
+    b.check("dsv3_tokens_x_dcp_at_fixed_budget",
+            any(r["dcp"] > 1 for r in fixed) and all(r["tokens_ratio_vs_dcp1"] == r["dcp"]
+                                                     and r["kv_bytes_ratio_vs_dcp1"] == 1 for r in fixed),
+            rows_compared=len(fixed), cache_dtypes=sorted({r["kv_cache_dtype"] for r in fixed}))
 
 
 def long_prompt_run(b: Bench, mdir: str, dcp: int, budget: int, n_out: int = 4) -> dict:
-    """tp2/dcp ``dcp``, default model at ``mdir``, fp8 cache of ``budget`` bytes per GPU: a prompt of
+    """tpN/dcp ``dcp``, default model at ``mdir``, fp8 cache of ``budget`` bytes per GPU: a prompt of
     (capacity - n_out) tokens + n_out greedy tokens, then one logical block longer (refused?)."""
     from longflash.config import EngineConfig
     from longflash.engine.llm_engine import LLMEngine
@@ -529,7 +559,7 @@ def long_prompt_run(b: Bench, mdir: str, dcp: int, budget: int, n_out: int = 4) 
     t = time.monotonic()
     eng = LLMEngine(EngineConfig(model=mdir, device=b.dev, kv_cache_dtype="fp8", kv_cache_memory=budget,
                                  block_size=16, max_num_seqs=1, max_num_batched_tokens=b.sz.long_chunk,
-                                 enable_prefix_caching=False, skip_tokenizer_init=True, tensor_parallel_size=2,
+                                 enable_prefix_caching=False, skip_tokenizer_init=True, tensor_parallel_size=b.world,
                                  decode_context_parallel_size=dcp, speculative_config="off",
                                  distributed_timeout_s=b.args.timeout_s))
     r = {"kv_budget_bytes_per_gpu": budget}
@@ -558,23 +588,24 @@ def long_prompt_run(b: Bench, mdir: str, dcp: int, budget: int, n_out: int = 4) 
 
 
 def long_prompt(b: Bench) -> None:
-    """(b): the longest prompt that completes at dcp 1 and 2 (default model, fp8, fixed per-GPU budget)."""
+    """(b): the longest prompt that completes at tpN with dcp 1, N, then the other ``b.dcps`` (default model,
+    fp8, fixed per-GPU budget)."""
     from longflash.default_model_path import default_model_path
     from longflash.models.loader import load_config
-    sz = b.sz
+    sz, n = b.sz, b.world
     cfg = load_config(default_model_path())
     row = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])   # fp8: one byte each
     budget = sz.long_tokens * row
-    mdir = long_model_dir(default_model_path(), 4 * sz.long_tokens)
+    mdir = long_model_dir(default_model_path(), max(4, n) * sz.long_tokens)
     res = {}
     try:
-        for dcp in (1, 2):
-            label = f"tp2 dcp{dcp} longest prompt"
-            if not b.fits(label, "long"):
+        for dcp in dict.fromkeys([1, n] + sorted(b.dcps)):
+            label = f"tp{n} dcp{dcp} longest prompt"
+            if not b.fits(label, "long", max(1.0, dcp / 2)):
                 continue
             try:
                 res[dcp] = b.sec["runs"][label] = long_prompt_run(b, mdir, dcp, budget)
-            except Exception as e:  # noqa: BLE001 — recorded; the other run still goes
+            except Exception as e:  # noqa: BLE001 — recorded; the other runs still go
                 b.fail(label, e)
                 continue
             print(flush=True)
@@ -583,17 +614,19 @@ def long_prompt(b: Bench) -> None:
             b.write()
     finally:
         shutil.rmtree(mdir, ignore_errors=True)
-    if 1 in res and 2 in res:
+    if 1 in res and len(res) > 1:
         b.check("longest_prompt_x_dcp", all(r["completed"] and r["refused"] for r in res.values())
-                and res[2]["kv_cache_tokens"] == 2 * res[1]["kv_cache_tokens"],
-                longest_prompt_dcp1=res[1]["prompt_tokens"], longest_prompt_dcp2=res[2]["prompt_tokens"],
-                ratio=res[2]["prompt_tokens"] / res[1]["prompt_tokens"], per_gpu_tokens=sz.long_tokens)
+                and all(r["kv_cache_tokens"] == d * res[1]["kv_cache_tokens"] for d, r in res.items()),
+                **{f"longest_prompt_dcp{d}": r["prompt_tokens"] for d, r in res.items()},
+                **{f"ratio_dcp{d}": r["prompt_tokens"] / res[1]["prompt_tokens"] for d, r in res.items() if d > 1},
+                per_gpu_tokens=sz.long_tokens)
 
 
 # ---- report -----------------------------------------------------------------------------------
 def report_md(res: dict) -> str:
     lines = [f"# Multi-GPU TP/DCP runs ({res['device']}, backend {res['backend']}, "
-             f"{res['gpus_visible']} GPU(s) visible{', tiny' if res['tiny'] else ''})", "",
+             f"{res['gpus_visible']} GPU(s) visible{', tiny' if res['tiny'] else ''}; tp {res['world']}, "
+             f"dcp {', '.join(map(str, res['dcps']))})", "",
              f"commit `{res['commit']}`, `{res['command']}`, torch {res['torch']}, nccl {res['nccl']}, "
              f"GPUs {res['gpu_names'] or '-'}; {res.get('seconds', 0)} s of a {res['budget_s']:.0f} s budget", "",
              f"Criteria: bf16 TP error vs fp32 <= {BF16_ERR_RATIO} x the one-GPU bf16 error; fp32 max |diff| <= "
@@ -650,6 +683,10 @@ def _fmt_nested(v):
     return _fmt(v)
 
 
+SECTIONS = {"dsv3": (sec_dsv3, "build"), "default_fp8_chunked": (sec_default_fp8, "small"),
+            "passkey": (sec_passkey, "passkey"), "capacity": (sec_capacity, "long")}   # name -> (fn, first unit)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for multi_gpu.json / .md")
@@ -657,23 +694,38 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip a unit whose estimated end passes this")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="distributed_timeout_s of the engines")
     ap.add_argument("--sections", default="dsv3,default_fp8_chunked,passkey,capacity")
+    ap.add_argument("--world", type=int, default=None,
+                    help="GPUs (ranks) of every TP engine: -tp world (default: min(visible GPUs, 2); --tiny: 2)")
+    ap.add_argument("--dcps", default=None,
+                    help="DCP sizes of the TP engines, comma separated, each dividing --world (default: 1, 2, world)")
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (default 128; tiny 32)")
     ap.add_argument("--passkeys", type=int, default=None, help="passkey prompts (default 10; tiny 4)")
     ap.add_argument("--long-tokens", type=int, default=None, help="per-GPU KV tokens of capacity (b)")
     ap.add_argument("--kv-budget", default=None, help="per-GPU KV budget of the DSV3 engines (default 8GiB)")
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     ngpu = torch.cuda.device_count()
-    if not args.tiny and ngpu < 2:
-        raise SystemExit(f"needs 2 GPUs ({ngpu} visible); use --tiny on the CPU")
+    if args.world is None:
+        args.world = 2 if args.tiny else min(ngpu, 2)
+    if args.world < 2 or (not args.tiny and args.world > ngpu):
+        raise SystemExit(f"--world {args.world}: needs 2 <= world <= visible GPUs ({ngpu} visible); "
+                         "use --tiny on the CPU")
+    try:
+        args.dcps = sorted({int(d) for d in args.dcps.split(",")}) if args.dcps else \
+            [d for d in sorted({1, 2, args.world}) if args.world % d == 0]
+    except ValueError:
+        raise SystemExit(f"--dcps {args.dcps!r}: expected comma-separated integers") from None
+    if not args.dcps or any(d < 1 or args.world % d for d in args.dcps):
+        raise SystemExit(f"--dcps {args.dcps}: each DCP size must be >= 1 and divide --world {args.world}")
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"--sections: unknown {sorted(unknown)}")
+    os.makedirs(args.out, exist_ok=True)
     dev = "cpu" if args.tiny else "cuda"
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     b = Bench(args, sizes(args.tiny, args), dev)
-    fns = {"dsv3": (sec_dsv3, "build"), "default_fp8_chunked": (sec_default_fp8, "small"),
-           "passkey": (sec_passkey, "passkey"), "capacity": (sec_capacity, "long")}
     try:
         for name in args.sections.split(","):
-            fn, first = fns[name]
+            fn, first = SECTIONS[name]
             b.section(name, first, lambda fn=fn: fn(b))
     finally:
         if b.ckpt:

@@ -91,3 +91,53 @@ def test_reference_decode_visible_lens_equals_dcp_local(dcp, interleave):
         empty = want_l == float("-inf")
         assert torch.equal(empty, lse == float("-inf"))
         assert torch.allclose(o, want_o, atol=1e-5) and torch.allclose(lse[~empty], want_l[~empty], atol=1e-5)
+
+
+DFLASH_PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+                  "To be, or not to be, that is the question:", "import os\nimport sys\n"]
+
+
+@pytest.mark.parametrize("tp,dcp", [(2, 2), (2, 1)])
+def test_chained_dflash_steps_under_tp_equal_single_process(tp, dcp):
+    """DFlash under ``-tp 2`` (``-dcp 2``: the draft pool replicated, the target cache sharded) with
+    uniform verify steps on persistent inputs, padded as a graph replays them: every rank writes the
+    draft context and drafts the next block inside the verify forward (the chained step). Greedy
+    tokens equal the single-process engine without speculation; chained drafts were used; the workers'
+    drafts (non-chained proposals) equal rank 0's."""
+    from longflash.default_model_path import default_model_path
+    kw = dict(model=default_model_path(), block_size=4, num_gpu_blocks=256, max_num_batched_tokens=64,
+              dtype="float32", max_num_seqs=4, distributed_timeout_s=60)
+    ref = LLMEngine(EngineConfig(**kw, speculative_config="off"))
+    try:
+        want = greedy_tokens(ref, DFLASH_PROMPTS, 24)
+    finally:
+        ref.shutdown()
+    eng = LLMEngine(EngineConfig(**kw, tensor_parallel_size=tp, decode_context_parallel_size=dcp))
+    try:
+        assert eng.proposer is not None
+        eng.enable_uniform_decode(cuda_graphs=False)
+        dr = eng.runner.decode_runner
+        dr.pad_like_graph = True
+        verify_rows = []
+        run_batch = dr.run_batch
+
+        def counting(batch, graph, rows, proposer=None):
+            verify_rows.append((batch.q, rows, proposer is not None))
+            return run_batch(batch, graph, rows, proposer)
+        dr.run_batch = counting
+        chained = []
+        use = eng._use_chained_drafts
+
+        def counting_use(seq, n):
+            r = use(seq, n)
+            chained.append(r)
+            return r
+        eng._use_chained_drafts = counting_use
+        got = greedy_tokens(eng, DFLASH_PROMPTS, 24)
+        mismatches, checks = eng.runner.draft_mismatches, eng.runner.draft_checks
+    finally:
+        eng.shutdown()
+    assert got == want
+    assert any(q > 1 and spec for q, _, spec in verify_rows)    # uniform verify steps ran, chained
+    assert sum(chained) >= 3                                    # drafts computed inside verify forwards used
+    assert checks > 0 and mismatches == 0

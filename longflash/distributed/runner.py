@@ -9,12 +9,15 @@ the same logit rows as rank 0) and its own KV shard: logical blocks cover
 rank stores its positions in its physical block of the same id (``dcp.dcp_slot_mapping``). MLA layers
 read the DCP group from ``comm.get_parallel_state()``.
 
-Uniform decode steps (every request decodes one token; DFlash off) run on persistent inputs and, on
-GPUs, from CUDA graphs on every rank: rank 0 posts :class:`EnableUniform` once and
-:class:`CaptureGraphs` when it captures (every rank captures the same (query length, bucket) graphs in
-the same order, so the NCCL collectives inside them pair up), then each step's
-:class:`UniformStep` (the planned host arrays and whether to replay a graph); every rank fills its own
-inputs (its shard's slots, ``shard_slot_mapping``) and runs the same forward.
+Uniform decode and verify steps (every request decodes its pending token and the same number of drafts)
+run on persistent inputs and, on GPUs, from CUDA graphs on every rank: rank 0 posts
+:class:`EnableUniform` once and :class:`CaptureGraphs` when it captures (every rank captures the same
+(query length, bucket) graphs, then the same drafter graphs, in the same order, so the NCCL
+collectives inside them pair up), then each step's :class:`UniformStep` (the planned host arrays,
+whether to replay a graph, the draft-pool writes pending from earlier general steps); every rank
+fills its own inputs (its shard's slots, ``shard_slot_mapping``; the replicated draft pool's
+one-process slots) and runs the same forward. With DFlash that forward is the chained step: the
+draft context of every row is written and the next block drafted inside it, on every rank.
 
 DFlash under DCP (``docs/dcp.md``): every rank holds a *replicated* draft pool (all
 ``block_size * dcp_size`` tokens of a logical block, single-process slots on logical blocks) and
@@ -69,6 +72,7 @@ class EnableUniform:
     max_num_seqs: int
     query_lens: list[int]
     cuda_graphs: bool
+    draft_block_size: int | None = None  # with DFlash: ``DFlashProposer.enable_uniform``'s block_size
 
 
 @dataclasses.dataclass
@@ -84,6 +88,8 @@ class UniformStep:
     batch: UniformBatch
     graph: bool
     rows: int
+    spec: bool = False                                          # DFlash: the chained verify forward
+    commits: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # DraftMirror.commits
 
 
 def shard_slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int, dcp_size: int,
@@ -157,24 +163,28 @@ class DCPModelRunner(ModelRunner):
 
     def write_draft_context(self, proposer, res, first_row: int, num_rows: int) -> None:
         """Rank 0's write into its replicated draft pool (logical-block slots: every position on
-        every rank); the workers repeat it before the next step."""
+        every rank); the workers repeat it before the next step. A chained step wrote every row's
+        context inside its forward, on every rank: nothing to do."""
+        if res.chain is not None:
+            return
         r = slice(first_row, first_row + num_rows)
         proposer.write_context(res.aux[r], res.ctx.positions[r], res.ctx.extras["draft_slot_mapping"][r])
         self._commits.append((first_row, num_rows))
 
+    @torch.inference_mode()
     def execute(self, sched, all_logits: bool = False, tapper=None, proposer=None):
         self._capture = proposer is not None
         self._all_logits = all_logits  # the workers compute the same logit rows (vocab-parallel LM head)
         dr = self.decode_runner
-        if dr is not None and tapper is None and not all_logits and proposer is None:
+        if dr is not None and tapper is None and not all_logits:
             q = dr.query_len(sched)
             if q is not None:  # a uniform step: every rank runs it on persistent inputs (graph or not)
                 self.check_workers()
-                batch = dr.plan(sched.scheduled, q)
-                graph, rows = dr.mode(batch.num_reqs, q)
-                self.channel.post(UniformStep(batch, graph, rows), plain=True)
-                logits, ctx, _, _ = dr.run_batch(batch, graph, rows)
-                return StepResult(logits, dr.spans(sched.scheduled, q), ctx)
+
+                def announce(batch, graph, rows):
+                    commits = self._take_commits() if proposer is not None else []
+                    self.channel.post(UniformStep(batch, graph, rows, proposer is not None, commits), plain=True)
+                return StepResult(*dr.run(sched, q, proposer, announce))
         return super().execute(sched, all_logits, tapper, proposer)
 
     def enable_uniform_decode(self, max_model_len: int, max_num_seqs: int, query_lens: list[int],
@@ -182,28 +192,29 @@ class DCPModelRunner(ModelRunner):
         """``ModelRunner.enable_uniform_decode`` on every rank (rank 0 posts :class:`EnableUniform`);
         the steps' cache slots are this rank's shard's."""
         if self.channel.group.is_first_rank:
-            self.channel.post(EnableUniform(max_model_len, max_num_seqs, list(query_lens), capturer is not None))
+            self.channel.post(EnableUniform(max_model_len, max_num_seqs, list(query_lens), capturer is not None,
+                                            self.physical_block_size if self.proposer is not None else None))
         super().enable_uniform_decode(max_model_len, max_num_seqs, query_lens, capturer)
         ps = self.parallel
         self.decode_runner.slot_mapping = lambda bt, pos: shard_slot_mapping(
             bt, pos, self.physical_block_size, ps.dcp_size, ps.dcp_rank, ps.cp_kv_cache_interleave_size)
 
     def capture_graphs(self, proposer=None) -> None:
-        """Capture the decode graphs on every rank (rank 0 posts :class:`CaptureGraphs`). The ranks then
-        agree (over the CPU group): if capture failed anywhere, every rank drops its graphs and runs
-        the same steps eagerly; rank 0 raises so the engine logs it."""
+        """Capture the decode (and drafter) graphs on every rank (rank 0 posts :class:`CaptureGraphs`).
+        The ranks then agree (over the CPU group): if capture failed anywhere, every rank drops its
+        graphs and runs the same steps eagerly; rank 0 raises so the engine logs it."""
         first = self.channel.group.is_first_rank
         if first:
             self.channel.post(CaptureGraphs())
         error = None
         try:
-            self.decode_runner.capture(proposer)
+            super().capture_graphs(proposer)
         except Exception as e:  # noqa: BLE001 — agreed on below
             error = e
             logger.exception("rank %d: CUDA graph capture failed", self.parallel.tp_rank)
         failed = self.channel.group.all_reduce(torch.tensor([int(error is not None)]), op="max")
         if int(failed):
-            self.decode_runner.graphs = {}
+            self.drop_graphs(proposer)
             if first:
                 raise RuntimeError("CUDA graph capture failed on a rank") from error
 
@@ -254,16 +265,14 @@ class DCPModelRunner(ModelRunner):
                 self._check_drafts(self.proposer.propose(msg.requests))
                 continue
             if isinstance(msg, UniformStep):
-                self.decode_runner.run_batch(msg.batch, msg.graph, msg.rows)
+                self._write_commits(msg.commits)
+                self.decode_runner.run_batch(msg.batch, msg.graph, msg.rows, self.proposer if msg.spec else None)
                 continue
             if isinstance(msg, EnableUniform):
-                if self.device.type == "cuda":
-                    prepare_uniform_model(self.model)
-                self.enable_uniform_decode(msg.max_model_len, msg.max_num_seqs, msg.query_lens,
-                                           GraphCapturer(self.device) if msg.cuda_graphs else None)
+                self._enable_uniform_as_rank0(msg)
                 continue
             if isinstance(msg, CaptureGraphs):
-                self.capture_graphs()  # a worker never raises: a failure anywhere drops every rank's graphs
+                self.capture_graphs(self.proposer)  # never raises here: a failure drops every rank's graphs
                 continue
             input_ids, ctx, mirror = msg
             if mirror is not None:
@@ -284,8 +293,24 @@ class DCPModelRunner(ModelRunner):
         """Destroy this rank's CUDA graphs (before its process group: ``DecodeGraphRunner.release``)."""
         if self.decode_runner is not None:
             self.decode_runner.release()
+        if self.proposer is not None and self.proposer.uniform is not None:
+            for g, *_ in self.proposer.uniform.graphs.values():
+                g.reset()
+            self.proposer.uniform.graphs = {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _enable_uniform_as_rank0(self, msg: EnableUniform) -> None:
+        """A worker: what ``LLMEngine.enable_uniform_decode`` did on rank 0 (model and drafter prepared
+        the same way, one graph pool shared by the target and drafter graphs)."""
+        capturer = GraphCapturer(self.device) if msg.cuda_graphs else None
+        if self.device.type == "cuda":
+            prepare_uniform_model(self.model)
+            if self.proposer is not None:
+                self.proposer.drafter.fuse_projections()
+        self.enable_uniform_decode(msg.max_model_len, msg.max_num_seqs, msg.query_lens, capturer)
+        if self.proposer is not None and msg.draft_block_size is not None:
+            self.proposer.enable_uniform(msg.draft_block_size, msg.max_model_len, msg.max_num_seqs, capturer)
 
     def shutdown(self) -> None:
         """Rank 0: tell the workers to exit."""

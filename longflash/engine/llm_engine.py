@@ -206,14 +206,10 @@ class LLMEngine:
         return proposer
 
     def _setup_uniform_decode(self) -> bool:
-        """On a GPU (no KDA layers; under tensor parallelism without DFlash, whose drafter mirrors run
-        eagerly): :meth:`enable_uniform_decode`, with CUDA graphs unless ``enforce_eager``. Returns True
-        while graph capture is pending (fp8 KV scales are calculated from the first forward and baked
-        into the graphs)."""
+        """On a GPU (no KDA layers): :meth:`enable_uniform_decode`, with CUDA graphs unless
+        ``enforce_eager``. Returns True while graph capture is pending (fp8 KV scales are calculated
+        from the first forward and baked into the graphs)."""
         if self.device.type != "cuda" or self.runner.state_pool is not None:
-            return False
-        if self.config.tensor_parallel_size > 1 and self.proposer is not None:
-            logger.info("DFlash under tensor parallelism: decode/verify steps run eagerly (no CUDA graphs)")
             return False
         return self.enable_uniform_decode(cuda_graphs=not self.config.enforce_eager)
 
@@ -227,12 +223,9 @@ class LLMEngine:
         inputs, all ranks replay the same graph, the collectives captured in it). Returns True when graph
         capture waits for the first forward (fp8 KV scales to calculate).
 
-        Raises ValueError for DFlash under tensor parallelism, a model with KDA layers, and when CUDA
-        graphs are asked for off a GPU."""
+        Raises ValueError for a model with KDA layers, and when CUDA graphs are asked for off a GPU."""
         if self.runner.state_pool is not None:
             raise ValueError("uniform decode steps need a model without linear-attention (KDA) layers")
-        if self.config.tensor_parallel_size > 1 and self.proposer is not None:
-            raise ValueError("uniform decode steps under tensor parallelism do not support DFlash yet")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if self.device.type == "cuda":
@@ -265,13 +258,9 @@ class LLMEngine:
         changes shape with the data), log it and keep running the same steps eagerly."""
         try:
             self.runner.capture_graphs(self.proposer)
-            if self.proposer is not None:
-                self.proposer.capture_graphs()
         except Exception:  # noqa: BLE001 — graphs are an optimization; the eager uniform path is equivalent
             logger.exception("CUDA graph capture failed; decode steps run eagerly (as with --enforce-eager)")
-            self.runner.decode_runner.graphs = {}
-            if self.proposer is not None and self.proposer.uniform is not None:
-                self.proposer.uniform.graphs = {}
+            self.runner.drop_graphs(self.proposer)
             torch.cuda.synchronize(self.device)
 
     def _kv_cache_dtype(self) -> torch.dtype:

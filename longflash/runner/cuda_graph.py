@@ -125,7 +125,8 @@ class DecodeGraphRunner:
         max_b, max_t = self.buckets[-1], self.buckets[-1] * max(self.query_lens)
         self.inputs = StepInputs({
             "input_ids": (torch.int64, (max_t,)), "positions": (torch.int64, (max_t,)),
-            "slot_mapping": (torch.int64, (max_t,)), "query_start_loc": (torch.int32, (max_b + 1,)),
+            "slot_mapping": (torch.int64, (max_t,)), "draft_slot_mapping": (torch.int64, (max_t,)),
+            "query_start_loc": (torch.int32, (max_b + 1,)),
             "seq_lens": (torch.int32, (max_b,)), "context_lens": (torch.int32, (max_b,)),
             "block_table": (torch.int32, (max_b, self.max_blocks))}, device)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (q, bucket) -> (graph, logits, aux, packed)
@@ -166,7 +167,8 @@ class DecodeGraphRunner:
 
     def slot_mapping(self, block_table: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slots [B, q] of positions [B, q] through block_table [B, n] (one process:
-        ``block * block_size + offset``; the DCP runner replaces this with its shard's slots)."""
+        ``block * block_size + offset``; the DCP runner replaces this with its shard's slots). The
+        DFlash draft pool, replicated on every rank, always takes the one-process slots."""
         bs = self.block_size
         return np.take_along_axis(block_table, positions // bs, axis=1).astype(np.int64) * bs + positions % bs
 
@@ -183,6 +185,7 @@ class DecodeGraphRunner:
             h["input_ids"][:T] = batch.token_ids
             h["positions"][:T] = positions.reshape(-1)
             h["slot_mapping"][:T] = self.slot_mapping(batch.block_table, positions).reshape(-1)
+            h["draft_slot_mapping"][:T] = DecodeGraphRunner.slot_mapping(self, batch.block_table, positions).reshape(-1)
         n = batch.block_table.shape[1]
         h["block_table"][:B, :n] = batch.block_table
         h["block_table"][:B, n:] = -1
@@ -193,6 +196,7 @@ class DecodeGraphRunner:
             h["input_ids"][T:Tp] = 0
             h["positions"][T:Tp] = list(range(q)) * (rows - B)
             h["slot_mapping"][T:Tp] = -1
+            h["draft_slot_mapping"][T:Tp] = -1
             h["seq_lens"][B:rows] = q
             h["context_lens"][B:rows] = 0
             h["block_table"][B:rows] = 0
@@ -208,7 +212,7 @@ class DecodeGraphRunner:
             context_lens=d["context_lens"][:rows], block_table=d["block_table"][:rows], is_decode=[True] * rows,
             query_start_loc_cpu=list(range(0, T + 1, q)), seq_lens_cpu=seq_lens, context_lens_cpu=ctx_lens,
             block_size=self.block_size, logits_indices=None, uniform_decode=True, max_query_len=q,
-            max_seq_len=max_seq_len)
+            max_seq_len=max_seq_len, extras={"draft_slot_mapping": d["draft_slot_mapping"][:T]})
 
     def _forward(self, ctx: ForwardContext, proposer, draft_bound: int = 0):
         """logits [T, vocab] fp32 of every row; with a proposer, the drafter's fc outputs [T, H] and,
@@ -232,7 +236,7 @@ class DecodeGraphRunner:
             # context length masks them and its verify rewrites those positions first (as the target
             # cache's rejected rows), so no block is shared with a stale row (prefix caching hashes
             # committed tokens only).
-            proposer.write_context(aux, ctx.positions, ctx.slot_mapping)
+            proposer.write_context(aux, ctx.positions, ctx.extras["draft_slot_mapping"])
             packed = proposer.uniform.draft_after_verify(input_ids, logits, ctx.max_query_len, ctx.context_lens,
                                                          ctx.block_table, draft_bound or max(ctx.seq_lens_cpu))
         return logits, aux, packed
@@ -275,15 +279,18 @@ class DecodeGraphRunner:
         graph = key in self.graphs and proposer is self.proposer  # graphs are captured for one proposer setting
         return graph, key[1] if graph or self.pad_like_graph else batch_size
 
-    def run(self, sched, q: int, proposer=None):
+    def run(self, sched, q: int, proposer=None, announce=None):
         """Run a uniform step (``query_len(sched) == q``). Returns (logits [B*q, vocab] fp32, spans,
         context, aux [B*q, H] or None, chain or None), logits row = token row; spans as
         ``ModelRunner.prepare``. ``chain`` (with a proposer drafting on persistent inputs): the step's
         :class:`ChainedStep` (every row's argmax and, per request, the next drafts under greedy
-        acceptance), read from the device in one copy when first used."""
+        acceptance), read from the device in one copy when first used. ``announce(batch, graph, rows)``
+        is called before the forward (a TP/DCP rank 0 posts the step to its workers there)."""
         scheduled = sched.scheduled
         batch = self.plan(scheduled, q)
         graph, rows = self.mode(len(scheduled), q, proposer)
+        if announce is not None:
+            announce(batch, graph, rows)
         logits, ctx, aux, packed = self.run_batch(batch, graph, rows, proposer)
         spans = self.spans(scheduled, q)
         chain = ChainedStep(packed, len(scheduled), rows, q, proposer.block_size - 1) if packed is not None else None

@@ -82,8 +82,17 @@ class ModelRunner:
 
     def capture_graphs(self, proposer=None) -> None:
         """Capture the uniform decode/verify graphs (``DecodeGraphRunner.capture``; ``proposer``: the
-        DFlash proposer whose fc outputs they also produce). Raises what capture raises."""
+        DFlash proposer whose fc outputs they also produce), then the proposer's drafter graphs when it
+        drafts on persistent inputs. Raises what capture raises."""
         self.decode_runner.capture(proposer)
+        if proposer is not None and proposer.uniform is not None:
+            proposer.capture_graphs()
+
+    def drop_graphs(self, proposer=None) -> None:
+        """Forget every captured graph (capture failed): the same steps run eagerly."""
+        self.decode_runner.graphs = {}
+        if proposer is not None and proposer.uniform is not None:
+            proposer.uniform.graphs = {}
 
     def free_state(self, request_id: str) -> None:
         """Return a request's recurrent-state slot (finished, aborted, preempted); no-op without one."""

@@ -97,7 +97,7 @@ DFLASH_PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    retur
                   "To be, or not to be, that is the question:", "import os\nimport sys\n"]
 
 
-@pytest.mark.parametrize("tp,dcp", [(2, 2), (2, 1)])
+@pytest.mark.parametrize("tp,dcp", [(2, 2)])  # (tp 2, dcp 1) passes too (measured; left out for CI time)
 def test_chained_dflash_steps_under_tp_equal_single_process(tp, dcp):
     """DFlash under ``-tp 2`` (``-dcp 2``: the draft pool replicated, the target cache sharded) with
     uniform verify steps on persistent inputs, padded as a graph replays them: every rank writes the

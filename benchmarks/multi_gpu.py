@@ -346,9 +346,16 @@ def bf16_check(b: Bench, name: str, got: dict, ref_bf16: dict, ref_fp32: dict) -
     g, r16, r32 = got["logits"]["s"], ref_bf16["logits"]["s"], ref_fp32["logits"]["s"]
     one_err, tp_err = float((r16 - r32).abs().max()), float((g - r32).abs().max())
     vs = cmp_logits(g, r16)
+    # not gated: each position's max |error|. On the CPU's tiny DSV3 model a few positions sit ~30x above
+    # the median (1 at tp1, 1 at tp2, 4 at tp4, all with the same median; likely a rounding-flipped expert
+    # choice, not verified), so tp4 fails the 1.5x bound there (1.52 vs 0.79) while its fp32 run passes.
+    pos_one, pos_tp = (r16 - r32).abs().amax(-1), (g - r32).abs().amax(-1)
     b.check(name, tp_err <= BF16_ERR_RATIO * one_err, max_abs_logit_fp32=float(r32.abs().max()),
             bf16_err_vs_fp32_one_gpu=one_err, bf16_err_vs_fp32_tp=tp_err, diff_vs_one_gpu_bf16=vs["max_abs_diff"],
-            top1_agreement_vs_one_gpu_bf16=vs["top1_agreement"])
+            top1_agreement_vs_one_gpu_bf16=vs["top1_agreement"],
+            position_err_median_one_gpu_tp=[float(pos_one.median()), float(pos_tp.median())],
+            positions_over_half_the_max_one_gpu_tp=[int((pos_one > one_err / 2).sum()),
+                                                    int((pos_tp > one_err / 2).sum())])
 
 
 def fp32_check(b: Bench, name: str, got: dict, ref: dict) -> None:

@@ -3,7 +3,7 @@
 GPU calls run a ``git archive`` copy of a commit inside the checkout (``.gpusuite/``, with the commit in a
 ``COMMIT`` file at its root); ``git rev-parse`` there names the surrounding checkout's HEAD instead, so
 the marker wins. Otherwise ``git rev-parse HEAD`` of the repository, with ``-dirty`` when ``longflash/``
-or ``benchmarks/`` have uncommitted changes; ``unknown`` without git.
+or ``benchmarks/`` have uncommitted changes to tracked files; ``unknown`` without git.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def commit(short: bool = False) -> str:
         return sha[:7] if short else sha
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "longflash", "benchmarks"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "longflash",
+                                "benchmarks"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     except OSError:
         return "unknown"
     if not sha:

@@ -80,7 +80,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,23 +92,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from e2e_decode import FULL, TINY, build_checkpoint  # noqa: E402
+import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
+from e2e_decode import FULL, TINY, build_checkpoint, elapsed, log  # noqa: E402
 from long_context import long_model_dir  # noqa: E402
 from nccl_smoke import _fmt, _nccl_version, _prompts  # noqa: E402
 
-T0 = time.monotonic()
 BF16_ERR_RATIO = 1.5        # bf16: TP error vs fp32 <= this x the one-GPU bf16 error (nccl_smoke)
 FP32_REL_TOL = 1e-4         # fp32: max |logit diff| <= this x max |logit| (issue #11)
 FP8_REL_TO_FP8_ERR = 0.01   # fp8: max |logit diff| <= this x the one-GPU fp8 error (module docstring)
 PASSKEY_MIN = 0.9           # >= 9/10 retrieved
-
-
-def elapsed() -> float:
-    return time.monotonic() - T0
-
-
-def log(msg: str) -> None:
-    print(f"[{elapsed():6.1f} s] {msg}", flush=True)
 
 
 @dataclass
@@ -214,13 +205,7 @@ class Bench:
         self.ckpt: str | None = None          # the DSV3 checkpoint (built by section 1 or 4, then reused)
         self.reports: dict = {}               # (model, tp, dcp, kv dtype, budget) -> startup report subset
         ngpu = torch.cuda.device_count()
-        marker = os.path.join(REPO, "COMMIT")   # a copied tree names its commit here (as multi_gpu_speed.py)
-        try:
-            commit = open(marker).read().strip() if os.path.exists(marker) else subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            commit = ""
-        self.res = {"benchmark": "multi_gpu", "commit": commit or "unknown",
+        self.res = {"benchmark": "multi_gpu", "commit": provenance.commit(),
                     "command": "python3 " + " ".join(sys.argv), "host": platform.node(), "torch": torch.__version__,
                     "device": dev, "backend": "nccl" if dev == "cuda" else "gloo", "gpus_visible": ngpu,
                     "gpu_names": [torch.cuda.get_device_name(i) for i in range(ngpu)],

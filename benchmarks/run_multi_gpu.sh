@@ -15,10 +15,12 @@
 # call step (log, out dir)  what                                                       expected s  timeout
 # x2a  mla_fp32q_tests      tests/test_triton_mla_decode.py -k fp32_queries (fix 5645b81)       40        80
 #      dcp_nccl_gpu_tests   tests/test_dcp_nccl_gpu.py (the killed-worker message, d1fdb4c)     90       130
+#      dcp_combine_tests    test_dcp_combine_triton.py -k gpu_real_shapes (one-launch LSE 20        50
+#                           combine of 5dc4328, which every DCP run below uses)
 #      multi_gpu_x2a        multi_gpu.py --world 2 --dcps 2: dsv3 (tp1 refs, tp2/dcp2 bf16,    285       330
 #                           fp32 and fp8 + chunked context: the tp1 fp8 engine failed before
 #                           5645b81), capacity (longest prompt dcp 1 + 2, default sizing)
-#                                                                               x2a total ~415       540
+#                                                                      x2a total ~435 (cap 555)  590
 # x2b  multi_gpu_speed_x2   speed of tp1 / tp2 dcp1 / tp2 dcp2 at batch 1 x 32K + 64 x 8K, one   150       200
 #                           run after the step-channel changes (d1fdb4c, 407adf0)
 #      step_channel         step_channel.py: the same-host link on this machine's CPUs          10        45
@@ -70,6 +72,7 @@ case $CALL in
   x2a)
     run mla_fp32q_tests 80 $PYTEST tests/test_triton_mla_decode.py -k fp32_queries
     run dcp_nccl_gpu_tests 130 $PYTEST tests/test_dcp_nccl_gpu.py
+    run dcp_combine_tests 50 $PYTEST tests/test_dcp_combine_triton.py -k gpu_real_shapes
     run multi_gpu_x2a 330 $MG --out "$R/multi_gpu_x2a" --world 2 --dcps 2 --sections dsv3,capacity --budget-s 300 ;;
   x2b)
     run multi_gpu_speed_x2 200 $SPEED --out "$R/multi_gpu_speed_x2" --configs 1x1,2x1,2x2 --batches 1,64:8192 \

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from longflash.layers.activation import situ_and_mul  # noqa: E402
 from longflash.layers.mxfp4 import MXFP4Experts, e2m1_table, e8m0_to_float, run_mxfp4_experts  # noqa: E402
+import gpu_timing  # noqa: E402
 import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 K3 = dict(hidden=3584, inter=3072, experts=896, top_k=16)
@@ -98,33 +99,6 @@ def _time(fn, iters: int, warmup: int, device: torch.device) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     times.sort()
-    return times[len(times) // 2]
-
-
-def graph_time(fn, replays: int) -> float:
-    """Median seconds per call of ``fn`` captured in a CUDA graph (no launch gaps, no Python): the time the
-    engine's captured decode step pays. Replays are timed in groups of 5 between two events."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(max(1, replays // 5)):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 5e3)
-    times.sort()
-    del g
     return times[len(times) // 2]
 
 
@@ -271,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t = _time(fn, iters, 1, device)
                 if device.type == "cuda" and T <= GRAPH_MAX_TOKENS:
                     run["eager_us"] = t * 1e6
-                    t = graph_time(fn, 20)  # the engine's decode steps are CUDA graphs
+                    t = gpu_timing.graph_seconds(fn, calls=1, replays=20)  # the engine's decode steps are CUDA graphs
                     run["graph"] = True
             except Exception as e:  # a variant that does not compile or run here is recorded, not fatal
                 run["error"] = f"{type(e).__name__}: {e}"[:500]

@@ -34,6 +34,7 @@ from longflash.ops import triton_launch  # noqa: E402
 from longflash.spec_decode.staged_input import (DEFAULT_ROW_CHUNK, LiveTensorBytes,  # noqa: E402
                                                 StagedDrafterInput, concat_then_quantize,
                                                 default_dequantize_fn, mxfp8_buffers, project_mxfp8)
+import gpu_timing  # noqa: E402
 import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result came from)
 
 REF_STAGED_BYTES = 663_355_904
@@ -119,32 +120,7 @@ class Bench:
         time / len(fns). Excludes Python launch overhead and event granularity, identically for the
         copy and the kernels. CUDA only."""
         replays = replays or max(5, self.kernel_reps // 5)
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        st = torch.cuda.Stream()
-        st.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(st):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(st)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(replays):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / len(fns))
-        del g
-        return statistics.median(times)
+        return 1e3 * gpu_timing.graph_seconds(lambda: [f() for f in fns], calls=1, replays=replays) / len(fns)
 
     def time_interleaved_ms(self, fns: dict, reps=None) -> dict:
         """Median ms of each fn, run interleaved (a, b, a, b, ...; order alternating per rep) so drift in

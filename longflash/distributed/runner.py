@@ -196,7 +196,7 @@ class DCPModelRunner(ModelRunner):
                                             self.physical_block_size if self.proposer is not None else None))
         super().enable_uniform_decode(max_model_len, max_num_seqs, query_lens, capturer)
         ps = self.parallel
-        self.decode_runner.slot_mapping = lambda bt, pos: shard_slot_mapping(
+        self.decode_runner.shard_slot_mapping = lambda bt, pos: shard_slot_mapping(
             bt, pos, self.physical_block_size, ps.dcp_size, ps.dcp_rank, ps.cp_kv_cache_interleave_size)
 
     def capture_graphs(self, proposer=None) -> None:
@@ -291,12 +291,7 @@ class DCPModelRunner(ModelRunner):
 
     def release_graphs(self) -> None:
         """Destroy this rank's CUDA graphs (before its process group: ``DecodeGraphRunner.release``)."""
-        if self.decode_runner is not None:
-            self.decode_runner.release()
-        if self.proposer is not None and self.proposer.uniform is not None:
-            for g, *_ in self.proposer.uniform.graphs.values():
-                g.reset()
-            self.proposer.uniform.graphs = {}
+        self.drop_graphs(self.proposer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -47,6 +47,15 @@ def prepare_uniform_model(model) -> None:
             m.fuse_gate_up()
 
 
+def release_graphs(graphs: dict) -> None:
+    """Destroy the CUDA graphs of ``graphs`` (values: (graph, outputs...)) now and empty it: their memory
+    and, under NCCL, the communicator resources they hold (NCCL ties captured collectives' resources to
+    the graph's lifetime, so a process group is destroyed only after its graphs)."""
+    for g, *_ in graphs.values():
+        g.reset()
+    graphs.clear()
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Batch buckets: 1, 2, 4, 8, then multiples of 16, up to and including ``max_num_seqs``."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
@@ -134,6 +143,8 @@ class DecodeGraphRunner:
         self.capture_time_s = 0.0
         # Run eager steps exactly as a graph would (bucket padding, capacity bound): for tests.
         self.pad_like_graph = False
+        # DCP: (block_table [B, n], positions [B, q]) -> this rank's target-cache slots; None: one process.
+        self.shard_slot_mapping = None
 
     # ---- eligibility ------------------------------------------------------------------------------
     def query_len(self, sched) -> int | None:
@@ -166,9 +177,9 @@ class DecodeGraphRunner:
         return UniformBatch(q, tokens, starts, table)
 
     def slot_mapping(self, block_table: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Cache slots [B, q] of positions [B, q] through block_table [B, n] (one process:
-        ``block * block_size + offset``; the DCP runner replaces this with its shard's slots). The
-        DFlash draft pool, replicated on every rank, always takes the one-process slots."""
+        """One-process cache slots [B, q] of positions [B, q] through block_table [B, n]:
+        ``block * block_size + offset``. The target cache of a DCP rank takes ``shard_slot_mapping``'s
+        instead; the DFlash draft pool, replicated on every rank, always takes these."""
         bs = self.block_size
         return np.take_along_axis(block_table, positions // bs, axis=1).astype(np.int64) * bs + positions % bs
 
@@ -184,8 +195,11 @@ class DecodeGraphRunner:
         if B:
             h["input_ids"][:T] = batch.token_ids
             h["positions"][:T] = positions.reshape(-1)
-            h["slot_mapping"][:T] = self.slot_mapping(batch.block_table, positions).reshape(-1)
-            h["draft_slot_mapping"][:T] = DecodeGraphRunner.slot_mapping(self, batch.block_table, positions).reshape(-1)
+            slots = self.slot_mapping(batch.block_table, positions).reshape(-1)
+            h["draft_slot_mapping"][:T] = slots
+            if self.shard_slot_mapping is not None:
+                slots = self.shard_slot_mapping(batch.block_table, positions).reshape(-1)
+            h["slot_mapping"][:T] = slots
         n = batch.block_table.shape[1]
         h["block_table"][:B, :n] = batch.block_table
         h["block_table"][:B, n:] = -1
@@ -265,12 +279,8 @@ class DecodeGraphRunner:
         return bool(self.graphs)
 
     def release(self) -> None:
-        """Destroy the captured graphs now (their memory and, under NCCL, the communicator resources
-        they hold: NCCL ties captured collectives' resources to the graph's lifetime, so a process group
-        is destroyed only after its graphs); uniform steps run eagerly afterwards."""
-        for g, *_ in self.graphs.values():
-            g.reset()
-        self.graphs = {}
+        """Destroy the captured graphs (:func:`release_graphs`); uniform steps run eagerly afterwards."""
+        release_graphs(self.graphs)
 
     # ---- a step -----------------------------------------------------------------------------------
     def mode(self, batch_size: int, q: int, proposer=None) -> tuple[bool, int]:

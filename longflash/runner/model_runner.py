@@ -89,10 +89,11 @@ class ModelRunner:
             proposer.capture_graphs()
 
     def drop_graphs(self, proposer=None) -> None:
-        """Forget every captured graph (capture failed): the same steps run eagerly."""
-        self.decode_runner.graphs = {}
+        """Destroy every captured graph (capture failed, or shutting down): the same steps run eagerly."""
+        if self.decode_runner is not None:
+            self.decode_runner.release()
         if proposer is not None and proposer.uniform is not None:
-            proposer.uniform.graphs = {}
+            proposer.uniform.release()
 
     def free_state(self, request_id: str) -> None:
         """Return a request's recurrent-state slot (finished, aborted, preempted); no-op without one."""

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from longflash.runner.cuda_graph import GraphCapturer, capture_sizes
+from longflash.runner.cuda_graph import GraphCapturer, capture_sizes, release_graphs
 from longflash.runner.step_inputs import StepInputs
 
 logger = logging.getLogger("longflash")
@@ -121,6 +121,10 @@ class DraftGraphRunner:
         drafts = self.block_forward(ids.view(-1), positions.view(-1), start.to(torch.int32), block_table,
                                     max_context_len)
         return torch.cat([tokens.view(-1), accepted, start, drafts.view(-1)])
+
+    def release(self) -> None:
+        """Destroy the captured drafter graphs (``cuda_graph.release_graphs``); drafting runs eagerly."""
+        release_graphs(self.graphs)
 
     def capture(self) -> None:
         """Capture one graph per batch bucket, largest first, into the shared pool."""

@@ -93,3 +93,20 @@ def test_idle_past_timeout_then_killed_worker_makes_engine_raise_within_60s(tiny
         assert "rank 1" in str(ei.value) or "Connection" in str(ei.value) or "closed" in str(ei.value).lower()
     finally:
         eng.shutdown()
+
+
+def test_one_process_engine_beside_a_dcp_engine(tiny_model):
+    """A one-process engine and a -dcp 2 engine alive in the same process: each forward reads its own
+    runner's parallel state (``ForwardContext.parallel``), so the one-process engine keeps its answers
+    (it used to pick up the DCP group and wait on a collective nobody else joined)."""
+    model = tiny_model("dsv3-qlora-interleave-yarn")
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    one = _engine(model, 1)
+    want = greedy_tokens(one, prompts, 12)
+    dcp = _engine(model, 2, distributed_timeout_s=10)
+    try:
+        assert greedy_tokens(one, prompts, 12) == want
+        assert greedy_tokens(dcp, prompts, 12) == want
+    finally:
+        dcp.shutdown()
+        one.shutdown()

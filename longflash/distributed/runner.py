@@ -142,7 +142,8 @@ class DCPModelRunner(ModelRunner):
         slots = dcp_slot_mapping(ctx.positions, ctx.block_table, self.physical_block_size, self.parallel.dcp_size,
                                  self.parallel.dcp_rank, self.parallel.cp_kv_cache_interleave_size, token_to_req)
         return dataclasses.replace(ctx, slot_mapping=slots, block_size=self.physical_block_size,
-                                   extras={**ctx.extras, "draft_slot_mapping": ctx.slot_mapping})
+                                   extras={**ctx.extras, "draft_slot_mapping": ctx.slot_mapping},
+                                   parallel=self.parallel)
 
     # ---- rank 0 ---------------------------------------------------------------------------------
     def check_workers(self) -> None:
@@ -222,7 +223,7 @@ class DCPModelRunner(ModelRunner):
         input_ids, ctx, spans = super().prepare(sched)
         mirror = DraftMirror(self._take_commits(), [], self._capture) if self.proposer is not None else None
         ctx.extras["all_logits"] = getattr(self, "_all_logits", False)
-        self.channel.post((input_ids, ctx, mirror))
+        self.channel.post((input_ids, dataclasses.replace(ctx, parallel=None), mirror))  # groups stay local
         return input_ids, self.localize(ctx), spans
 
     def _check_drafts(self, drafts: list[list[int]]) -> None:

@@ -35,6 +35,9 @@ class ForwardContext:
             batch, not the replayed one).
         max_query_len / max_seq_len: host-side upper bounds of the query lengths and of ``seq_lens``
             (under a CUDA graph: the bucket's capacity); 0 = unknown (compute from the lists).
+        parallel: the ``comm.ParallelState`` of the runner that built this context (its DCP group),
+            so two engines in one process (one with DCP, one without) never read each other's; None:
+            the process-wide ``comm.get_parallel_state()`` (runner-less callers). Never sent to workers.
     """
 
     positions: torch.Tensor
@@ -53,6 +56,7 @@ class ForwardContext:
     uniform_decode: bool = False
     max_query_len: int = 0
     max_seq_len: int = 0
+    parallel: object | None = None
 
     @property
     def num_reqs(self) -> int:

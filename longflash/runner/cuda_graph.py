@@ -145,6 +145,7 @@ class DecodeGraphRunner:
         self.pad_like_graph = False
         # DCP: (block_table [B, n], positions [B, q]) -> this rank's target-cache slots; None: one process.
         self.shard_slot_mapping = None
+        self.parallel = None  # the owning runner's ParallelState, named in every context (ForwardContext.parallel)
 
     # ---- eligibility ------------------------------------------------------------------------------
     def query_len(self, sched) -> int | None:
@@ -226,7 +227,8 @@ class DecodeGraphRunner:
             context_lens=d["context_lens"][:rows], block_table=d["block_table"][:rows], is_decode=[True] * rows,
             query_start_loc_cpu=list(range(0, T + 1, q)), seq_lens_cpu=seq_lens, context_lens_cpu=ctx_lens,
             block_size=self.block_size, logits_indices=None, uniform_decode=True, max_query_len=q,
-            max_seq_len=max_seq_len, extras={"draft_slot_mapping": d["draft_slot_mapping"][:T]})
+            max_seq_len=max_seq_len, extras={"draft_slot_mapping": d["draft_slot_mapping"][:T]},
+            parallel=self.parallel)
 
     def _forward(self, ctx: ForwardContext, proposer, draft_bound: int = 0):
         """logits [T, vocab] fp32 of every row; with a proposer, the drafter's fc outputs [T, H] and,

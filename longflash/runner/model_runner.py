@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longflash.distributed.comm import single_process_state
 from longflash.engine.scheduler import SchedulerOutput
 from longflash.models.base import CausalLM
 from longflash.runner.context import ForwardContext, set_forward_context
@@ -66,6 +67,7 @@ class ModelRunner:
         self.state_pool = (RecurrentStatePool(kda_layers, max_num_seqs + 1, next(model.parameters()).dtype, device)
                            if kda_layers else None)
         self.decode_runner = None  # uniform decode/verify steps on persistent inputs (CUDA graphs)
+        self.parallel = single_process_state()  # what this runner's forward contexts name (DCP: its groups)
         self._draft_rows: list[tuple[int, int]] = []  # draft-context rows awaiting flush_draft_context
 
     def enable_uniform_decode(self, max_model_len: int, max_num_seqs: int, query_lens: list[int],
@@ -79,6 +81,7 @@ class ModelRunner:
         from longflash.runner.cuda_graph import DecodeGraphRunner
         self.decode_runner = DecodeGraphRunner(self.model, self.block_size, max_model_len, max_num_seqs, query_lens,
                                                self.device, capturer)
+        self.decode_runner.parallel = self.parallel
 
     def capture_graphs(self, proposer=None) -> None:
         """Capture the uniform decode/verify graphs (``DecodeGraphRunner.capture``; ``proposer``: the
@@ -151,6 +154,7 @@ class ModelRunner:
             context_lens_cpu=ctx_lens,
             block_size=bs,
             logits_indices=to_device_async(logits_idx, torch.int64, dev),
+            parallel=self.parallel,
         )
         if self.state_pool is not None:
             ctx.extras["state_slots"] = [self.state_pool.slot_for(s.seq.request_id) for s in sched.scheduled]

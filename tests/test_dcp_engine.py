@@ -110,3 +110,20 @@ def test_one_process_engine_beside_a_dcp_engine(tiny_model):
     finally:
         dcp.shutdown()
         one.shutdown()
+
+
+def test_worker_dying_at_start_up_fails_the_start_at_once(tmp_path):
+    """A script that builds a -tp 2 engine without a ``__main__`` guard: the worker (forkserver/spawn
+    re-imports the script) dies on start-up; the engine fails in seconds naming the rank and the guard,
+    instead of waiting the whole rendezvous timeout (it used to say only "1/2 clients joined" after 60 s)."""
+    import subprocess
+    import sys
+    script = tmp_path / "no_guard.py"
+    script.write_text("from longflash import LLM\nLLM(tensor_parallel_size=2, distributed_timeout_s=60)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"))
+    assert r.returncode != 0
+    assert "worker rank 1 exited during start-up" in r.stderr and "__main__" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 45

@@ -84,7 +84,8 @@ class DistEnv:
 
 def init_distributed(rank: int | None = None, world_size: int | None = None, master_port: int | None = None,
                      master_addr: str = "127.0.0.1", backend: str | None = None,
-                     timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None) -> DistEnv:
+                     timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None,
+                     check_peers=None) -> DistEnv:
     """Join the default process group.
 
     Either all of ``rank``, ``world_size``, ``master_port`` are given (spawned ranks), or none
@@ -95,6 +96,9 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, mas
     ``placement.NCCL_ENV_DEFAULTS`` are set where the user did not set them, the device is made
     current, passed to ``init_process_group`` as ``device_id`` (eager NCCL communicator, where this
     torch supports it), and a gloo twin of the world is created for CPU tensors and objects.
+    ``check_peers`` (rank 0 that started the other ranks itself): called every 0.5 s while rank 0 waits
+    for them to join, so a rank that died on start-up fails the start at once (it raises) instead of
+    after ``timeout_s``.
     Raises ValueError when neither source is complete or the CUDA device has no index,
     RuntimeError when a process group already exists with another layout.
     """
@@ -125,12 +129,33 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, mas
             kw["device_id"] = dev
     # NOTE: under torchrun the agent already serves a store on MASTER_PORT; every rank is a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    watch = check_peers is not None and de.rank == 0 and not agent_store
     _store = dist.TCPStore(de.master_addr, de.master_port, de.world_size,
-                           is_master=de.rank == 0 and not agent_store, timeout=td)
+                           is_master=de.rank == 0 and not agent_store, timeout=td, wait_for_workers=not watch)
+    if de.rank != 0:
+        _store.set(f"longflash/joined/{de.rank}", b"1")
+    elif watch:
+        _wait_for_peers(de.world_size, timeout_s, check_peers)
     dist.init_process_group(backend=backend, store=_store, rank=de.rank, world_size=de.world_size, timeout=td, **kw)
     _timeout_s, _backend, _device = timeout_s, backend, dev
     _cpu_world = dist.new_group(list(range(de.world_size)), timeout=td, backend="gloo") if backend != "gloo" else None
     return de
+
+
+def _wait_for_peers(world_size: int, timeout_s: float, check_peers) -> None:
+    """Rank 0: wait until ranks 1..world_size-1 set their ``joined`` key, calling ``check_peers()``
+    between 0.5 s waits. Raises TimeoutError after ``timeout_s``."""
+    keys = [f"longflash/joined/{r}" for r in range(1, world_size)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _store.wait(keys, datetime.timedelta(seconds=0.5))
+            return
+        except (RuntimeError, dist.DistStoreError):  # the wait timed out
+            pass
+        check_peers()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks 1..{world_size - 1} did not join within {timeout_s:.0f} s")
 
 
 def destroy_distributed() -> None:

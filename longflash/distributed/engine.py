@@ -77,6 +77,16 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
     comm.destroy_distributed()
 
 
+def _check_started(procs) -> None:
+    """Rank 0 waiting for its local workers to join: raise RuntimeError naming the first that exited."""
+    for r, p in enumerate(procs, start=1):
+        if p.exitcode is not None:
+            raise RuntimeError(
+                f"TP/DCP worker rank {r} exited during start-up (code {p.exitcode}). Workers are started with "
+                f"forkserver/spawn and re-import the main module: a script must create the engine under "
+                f"`if __name__ == \"__main__\":` (the worker's own error is printed above)")
+
+
 class _Rank0Runner(DCPModelRunner):
     """Rank 0's runner: checks that the locally started workers are alive before each step and
     stops them on shutdown."""
@@ -155,7 +165,8 @@ def start_dcp(engine) -> DCPModelRunner:
             p.start()
             procs.append(p)
         try:
-            comm.init_distributed(0, world, port, timeout_s=cfg.distributed_timeout_s, device=engine.device)
+            comm.init_distributed(0, world, port, timeout_s=cfg.distributed_timeout_s, device=engine.device,
+                                  check_peers=lambda: _check_started(procs))
         except BaseException:
             for p in procs:
                 p.kill()

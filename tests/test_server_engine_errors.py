@@ -64,3 +64,12 @@ def test_engine_error_fails_only_that_request(app_and_engine):
     assert '"error"' in frames[-2] and "injected sampler fault" in frames[-2] and frames[-1] == "data: [DONE]"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.has_unfinished_requests()
+
+
+def test_context_length_error_names_the_field_to_change():
+    """A prompt that alone fills the context is the prompt's fault, else max_tokens' (the 400's param)."""
+    from longflash.entrypoints.server.api_server import _param_of
+    msg = "this model's maximum context length is 4096 tokens, but {} prompt tokens + max_tokens {} exceed it"
+    assert _param_of(msg.format(9001, 4)) == "prompt"
+    assert _param_of(msg.format(4096, 1)) == "prompt"
+    assert _param_of(msg.format(90, 5000)) == "max_tokens"

@@ -16,6 +16,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -87,8 +88,9 @@ def _param_of(message: str) -> str | None:
     first = message.split(" ", 1)[0]
     if first in _PARAM_FIELDS:
         return first
-    if "context length" in message:
-        return "max_tokens"
+    m = re.search(r"context length is (\d+) tokens, but (\d+) prompt tokens", message)
+    if m:  # the prompt alone fills the context: the prompt is what to shorten, else max_tokens
+        return "prompt" if int(m.group(2)) >= int(m.group(1)) else "max_tokens"
     if "prompt" in message or "token id" in message:
         return "prompt"
     return None

@@ -288,7 +288,7 @@ BAD_INPUTS = [
     ("too_long", "/v1/completions", {**OK_COMPLETION, "max_tokens": MAX_MODEL_LEN}, None, 400, "max_tokens",
      "invalid_value"),
     ("too_long_prompt", "/v1/completions", {**OK_COMPLETION, "prompt": list(range(10, 10 + MAX_MODEL_LEN)),
-                                            "max_tokens": 1}, None, 400, "max_tokens", "invalid_value"),
+                                            "max_tokens": 1}, None, 400, "prompt", "invalid_value"),
     ("unknown_model", "/v1/completions", {**OK_COMPLETION, "model": "gpt-7"}, None, 404, "model",
      "model_not_found"),
     ("empty_prompt", "/v1/completions", {**OK_COMPLETION, "prompt": ""}, None, 400, "prompt", "invalid_value"),

@@ -5,7 +5,7 @@
 #   CALL=x2a bash benchmarks/run_multi_gpu.sh
 # Write the commit into COMMIT before the call (`git rev-parse HEAD > COMMIT`): a copied tree without
 # .git, or a `git archive` copy inside another checkout, would record the wrong one (multi_gpu.py and
-# multi_gpu_speed.py read COMMIT). x2a/x2b need 2 GPUs (on a 4-GPU machine tp 2 takes GPUs 0-1), x4a-x4d 4.
+# multi_gpu_speed.py read COMMIT). x2a/x2b need 2 GPUs (on a 4-GPU machine tp 2 takes GPUs 0-1), x4a-x4c 4.
 #
 # Seconds estimated from the 2-GPU runs (results/multi_gpu_x2: engine start 10-40 s, the 3.3B fp32
 # engines 32-42 s each, a 64 x 8K prefill 14-22 s, 64 x 32K 191 s on one GPU; tp 4 assumed as tp 2).
@@ -28,23 +28,22 @@
 #      nccl_smoke_x2        default model tp2/dcp2 vs one GPU, DFlash, killed worker, after     100       130
 #                           407adf0 (uniform steps and draft mirrors over the shared-memory link)
 #                                                                               x2b total ~380       535
-# x4a  nccl_smoke_x4        default model tp4/dcp4, tp4/dcp1, tp4/dcp2 vs one GPU (bf16, fp32   200       240
+# x4a  mla_fp32q_tests, dcp_combine_tests as in x2a (one GPU each)                          60       130
+#      nccl_smoke_x4        default model tp4/dcp4, tp4/dcp1, tp4/dcp2 vs one GPU (bf16, fp32   200       240
 #                           logits, 128 fp32 greedy tokens); DFlash, killed worker (tp 2) if left
-#      multi_gpu_cap_x4     multi_gpu.py --world 4 capacity: longest prompt at dcp 1, 4, 2      290       300
-#                           (262K tokens at dcp 4); DSV3 KV tokens per GPU at 8 GiB, bf16 + fp8,
-#                           tp1 and tp4/dcp1,2,4 + default sizing (build + 10 report engines)
-#                                                                               x4a total ~490       540
+#      multi_gpu_passkey_x4 passkey -tp 4 -dcp 4 --kv-cache-dtype fp8, prefix on + off, tp1    120       150
+#      multi_gpu_fp8_x4     multi_gpu.py --world 4 default_fp8_chunked (tp4/dcp1,2,4)           120       155
+#                                                                               x4a total ~500       555
 # x4b  multi_gpu_dsv3_x4    multi_gpu.py --world 4 dsv3: tp1 refs, tp4/dcp4 bf16 + fp32 + fp8   370       540
 #                           chunked, then tp4/dcp2 and tp4/dcp1 bf16 + fp32 (dcp 1 skipped first)
-# x4c  multi_gpu_speed_x4   speed of tp1 / tp4 dcp1 / dcp2 / dcp4 at batch 1 x 32K + 64 x 8K    190       230
-#      multi_gpu_fp8_x4     multi_gpu.py --world 4 default_fp8_chunked (tp4/dcp1,2,4)           120       155
-#      multi_gpu_passkey_x4 passkey -tp 4 -dcp 4 prefix on + off, tp1 reference (on + off)     120       150
-#                                                                               x4c total ~430       535
-# x4d  multi_gpu_speed_x4_64  batch 64 x 32K at tp4/dcp4, tp4/dcp1, tp1 (tp1's prefill alone   450       520
-#                           took 191 s on one GPU): only if device time is left
-# On the 4-GPU machine: x4a, x4b, x4c, then x4d (x2a / x2b run there too).
+# x4c  multi_gpu_speed_x4   speed of tp4 dcp1 / dcp2 / dcp4 at batch 1 and 64, both x 32K (the  300       330
+#                           issue's ratios; tp1 at 64 x 32K alone took 191 s of prefill: left out)
+#      multi_gpu_cap_x4     multi_gpu.py --world 4 capacity: longest prompt at dcp 1, 4, 2      240       300
+#                           (262K tokens at dcp 4); DSV3 KV tokens per GPU at 8 GiB, bf16 + fp8
+#                                                                               x4c total ~540       555
+# On the 4-GPU machine: x4a, x4b, x4c (x2a / x2b run there too).
 set -u
-CALL=${CALL:?set CALL to x2a, x2b, x4a, x4b, x4c or x4d}
+CALL=${CALL:?set CALL to x2a, x2b, x4a, x4b or x4c}
 BUDGET_S=${BUDGET_S:-555}; T0=${T0:-$(date +%s)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -81,19 +80,18 @@ case $CALL in
     run multi_gpu_passkey_x2 160 $MG --out "$R/multi_gpu_passkey_x2" --world 2 --sections passkey --budget-s 135
     run nccl_smoke_x2 130 $SMOKE --out "$R/nccl_smoke_x2" --configs 2x2 --budget-s 110 ;;
   x4a)
+    run mla_fp32q_tests 80 $PYTEST tests/test_triton_mla_decode.py -k fp32_queries
+    run dcp_combine_tests 50 $PYTEST tests/test_dcp_combine_triton.py -k gpu_real_shapes
     run nccl_smoke_x4 240 $SMOKE --out "$R/nccl_smoke_x4" --configs 4x4,4x1,4x2 --budget-s 200
-    run multi_gpu_cap_x4 300 $MG --out "$R/multi_gpu_cap_x4" --world 4 --sections capacity --budget-s 275 ;;
+    run multi_gpu_passkey_x4 150 $MG --out "$R/multi_gpu_passkey_x4" --world 4 --sections passkey --budget-s 125
+    run multi_gpu_fp8_x4 155 $MG --out "$R/multi_gpu_fp8_x4" --world 4 --sections default_fp8_chunked --budget-s 130 ;;
   x4b)
     run multi_gpu_dsv3_x4 540 $MG --out "$R/multi_gpu_dsv3_x4" --world 4 --sections dsv3 --budget-s 500 ;;
   x4c)
-    run multi_gpu_speed_x4 230 $SPEED --out "$R/multi_gpu_speed_x4" --configs 1x1,4x1,4x2,4x4 --batches 1,64:8192 \
-      --budget-s 200
-    run multi_gpu_fp8_x4 155 $MG --out "$R/multi_gpu_fp8_x4" --world 4 --sections default_fp8_chunked --budget-s 130
-    run multi_gpu_passkey_x4 150 $MG --out "$R/multi_gpu_passkey_x4" --world 4 --sections passkey --budget-s 125 ;;
-  x4d)
-    run multi_gpu_speed_x4_64 520 $SPEED --out "$R/multi_gpu_speed_x4_64" --configs 4x4,4x1,1x1 --batches 64 \
-      --budget-s 480 ;;
-  *) echo "unknown CALL=$CALL (x2a, x2b, x4a, x4b, x4c, x4d)"; exit 2 ;;
+    run multi_gpu_speed_x4 330 $SPEED --out "$R/multi_gpu_speed_x4" --configs 4x1,4x2,4x4 --batches 1,64 \
+      --budget-s 300
+    run multi_gpu_cap_x4 300 $MG --out "$R/multi_gpu_cap_x4" --world 4 --sections capacity --budget-s 275 ;;
+  *) echo "unknown CALL=$CALL (x2a, x2b, x4a, x4b, x4c)"; exit 2 ;;
 esac
 cp "$R"/device.txt "$OUT/" 2>/dev/null
 rm -rf "$R"; ls -la "$OUT"

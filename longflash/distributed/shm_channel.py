@@ -16,10 +16,13 @@ announced with length -1 and travels the general path (``comm.StepChannel``). to
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from typing import Callable
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 8 << 20    # bytes (a /dev/shm file): a uniform step of 64 requests x 32K blocks fits; larger take gloo
 POLL_S = 0.5                  # a waiting side checks its peer's liveness this often (seconds)
@@ -49,17 +52,26 @@ class LocalLink:
         """Worker ``rank``'s end (1-based); pass it to that worker's process as an argument."""
         return LocalLink(self._data, self._length, self.ready[rank - 1], self.free[rank - 1], self.capacity)
 
-    def write(self, data: memoryview | bytes, timeout_s: float, check: Callable[[int], None]) -> bool:
+    def write(self, data: memoryview | bytes, warn_after_s: float, check: Callable[[int], None]) -> bool:
         """Rank 0: wait until every worker has read the previous message, then publish ``data``.
         Returns False (and publishes the length -1) when ``data`` is longer than the buffer: the caller
         then sends it on the general path. ``check(worker)`` is called every ``POLL_S`` of waiting (it
-        raises when that worker is gone). Raises TimeoutError naming the worker after ``timeout_s``."""
+        raises when that worker is gone). A worker that is alive but still busy with an earlier step is
+        waited for: rank 0 runs up to one message ahead of its workers, and at start-up a worker can lag
+        it by minutes (an fp32 3.3B model at -tp 4: loading and first-use kernel compiles on every rank,
+        while rank 0 waits on no collective), so a fixed deadline here failed working engines. Every
+        ``warn_after_s`` seconds of waiting logs a warning naming the worker (a worker stuck in a
+        collective dies at the collective's own timeout, and ``check`` then raises)."""
         for w, sem in enumerate(self.free, start=1):
-            deadline = time.monotonic() + timeout_s
+            t0 = time.monotonic()
+            warned = 0
             while not sem.acquire(timeout=POLL_S):
                 check(w)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"TP/DCP worker rank {w} did not take the previous step within {timeout_s:.0f} s")
+                waited = time.monotonic() - t0
+                if waited >= (warned + 1) * warn_after_s:
+                    warned += 1
+                    logger.warning("TP/DCP worker rank %d has not taken the previous step for %.0f s; it is alive, "
+                                   "still waiting", w, waited)
         n = len(data)
         fits = n <= self.capacity
         if fits:

@@ -158,6 +158,11 @@ def _write(out: str, res: dict) -> None:
         json.dump(res, f, indent=2, default=str)
 
 
+def _ratio(x: float) -> str:
+    """A ratio cell: '-' when its baseline was not in the run (NaN)."""
+    return "-" if x != x else f"{x:.2f}"
+
+
 def report(res: dict) -> str:
     rows = res["configs"]
     base = {b: r["batches"][b]["decode_tok_s"] for r in rows if r["tp"] == 1
@@ -178,7 +183,7 @@ def report(res: dict) -> str:
             x1 = m["decode_tok_s"] / base[b] if b in base else float("nan")
             xd = m["decode_tok_s"] / dcp1[(r["tp"], b)] if (r["tp"], b) in dcp1 else float("nan")
             md.append(f"| {r['tp']} | {r['dcp']} | {r['graphs']} | {b} | {m['context']} | {m['prefill_s']:.1f} | "
-                      f"{m['decode_step_ms']:.2f} | {m['decode_tok_s']:.1f} | {x1:.2f} | {xd:.2f} | "
+                      f"{m['decode_step_ms']:.2f} | {m['decode_tok_s']:.1f} | {_ratio(x1)} | {_ratio(xd)} | "
                       f"{p.get('nccl_ms_per_step', float('nan')):.3f} | {p.get('nccl_share_of_step', float('nan')):.3f} | "
                       f"{r['kv_cache_tokens']:,} |")
     md += ["", "x tp1: decode tok/s / the one-GPU engine's at the same batch; x dcp1: / the same tp with dcp 1. "

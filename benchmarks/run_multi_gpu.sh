@@ -5,7 +5,7 @@
 #   CALL=x2a bash benchmarks/run_multi_gpu.sh
 # Write the commit into COMMIT before the call (`git rev-parse HEAD > COMMIT`): a copied tree without
 # .git, or a `git archive` copy inside another checkout, would record the wrong one (multi_gpu.py and
-# multi_gpu_speed.py read COMMIT). x2a/x2b need 2 GPUs (on a 4-GPU machine tp 2 takes GPUs 0-1), x4a-x4c 4.
+# multi_gpu_speed.py read COMMIT). x2a/x2b need 2 GPUs (on a 4-GPU machine tp 2 takes GPUs 0-1), x4a-x4e 4.
 #
 # Seconds estimated from the 2-GPU runs (results/multi_gpu_x2: engine start 10-40 s, the 3.3B fp32
 # engines 32-42 s each, a 64 x 8K prefill 14-22 s, 64 x 32K 191 s on one GPU; tp 4 assumed as tp 2).
@@ -41,9 +41,17 @@
 #      multi_gpu_cap_x4     multi_gpu.py --world 4 capacity: longest prompt at dcp 1, 4, 2      240       300
 #                           (262K tokens at dcp 4); DSV3 KV tokens per GPU at 8 GiB, bf16 + fp8
 #                                                                               x4c total ~540       555
-# On the 4-GPU machine: x4a, x4b, x4c (x2a / x2b run there too).
+# x4d  multi_gpu_dsv3_fp8_x4 DSV3 fp8 cache + chunked context at tp4/dcp4 (fp32; its tp1 fp32 +  260       300
+#                           fp8 references); the fp32 -tp 4 engine also shows whether its graphs
+#                           are now captured (258092f; the log says "capture failed" if not)
+#      multi_gpu_speed_x4_b64  batch 64 x 32K at tp4 dcp1 and dcp4 (ratio in one run)          210       240
+# x4e  nccl_smoke_x4e       default model tp4/dcp2 vs one GPU; DFlash tp2/dcp2; killed worker   150       170
+#      dcp_nccl_gpu_tests   tests/test_dcp_nccl_gpu.py (2 GPUs)                                  90       130
+#      multi_gpu_dsv3_fp8_x2  DSV3 fp8 + chunked at tp2/dcp2 (the run that found the fp32-query  200       240
+#                           kernel bug at stop 18)
+# Done at 6ec782b (results/multi_gpu_x4): x4a, x4b, x4c. Left: x4d, then x4e (x2a / x2b run on 4 GPUs too).
 set -u
-CALL=${CALL:?set CALL to x2a, x2b, x4a, x4b or x4c}
+CALL=${CALL:?set CALL to x2a, x2b, x4a, x4b, x4c, x4d or x4e}
 BUDGET_S=${BUDGET_S:-555}; T0=${T0:-$(date +%s)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -91,7 +99,17 @@ case $CALL in
     run multi_gpu_speed_x4 330 $SPEED --out "$R/multi_gpu_speed_x4" --configs 4x1,4x2,4x4 --batches 1,64 \
       --budget-s 300
     run multi_gpu_cap_x4 300 $MG --out "$R/multi_gpu_cap_x4" --world 4 --sections capacity --budget-s 275 ;;
-  *) echo "unknown CALL=$CALL (x2a, x2b, x4a, x4b, x4c)"; exit 2 ;;
+  x4d)
+    run multi_gpu_dsv3_fp8_x4 300 $MG --out "$R/multi_gpu_dsv3_fp8_x4" --world 4 --dcps 4 --sections dsv3 \
+      --dsv3-kinds fp8 --budget-s 270
+    run multi_gpu_speed_x4_b64 240 $SPEED --out "$R/multi_gpu_speed_x4_b64" --configs 4x1,4x4 --batches 64 \
+      --budget-s 230 ;;
+  x4e)
+    run nccl_smoke_x4e 170 $SMOKE --out "$R/nccl_smoke_x4e" --configs 4x2 --budget-s 150
+    run dcp_nccl_gpu_tests 130 $PYTEST tests/test_dcp_nccl_gpu.py
+    run multi_gpu_dsv3_fp8_x2 240 $MG --out "$R/multi_gpu_dsv3_fp8_x2" --world 2 --dcps 2 --sections dsv3 \
+      --dsv3-kinds fp8 --budget-s 220 ;;
+  *) echo "unknown CALL=$CALL (x2a, x2b, x4a .. x4e)"; exit 2 ;;
 esac
 cp "$R"/device.txt "$OUT/" 2>/dev/null
 rm -rf "$R"; ls -la "$OUT"

@@ -26,6 +26,7 @@ from longflash.layers.norm import RMSNorm
 from longflash.layers.parallel import ParallelLMHead, VocabParallelEmbedding, model_tp_group
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters
 from longflash.models.attn_res_plan import ATTN_MIX, MLP_MIX, attn_res_plan, execute_plan
+from longflash.models.attn_res_two_phase_mix import AttnResTwoPhase
 from longflash.models.base import CausalLM, KVCacheSpec
 from longflash.models.kimi_linear import kda_layer_ids, make_kda, mla_kv_cache_spec
 
@@ -121,6 +122,12 @@ class KimiK3Model(nn.Module):
         # is built and checked here, once per (num_layers, block size); False allocates every output.
         self.attn_res_reuse = bool(cfg.get("attn_res_reuse", True))
         self.attn_res_schedule, self.attn_res_storage = attn_res_plan(cfg["num_hidden_layers"], self.block_size)
+        # Two-phase mixers (config key ``attn_res_two_phase``, default off; ``attn_res_two_phase_mix``):
+        # the committed slots are read once per block. Off by default: its fp32 partials cost Q*H*4
+        # bytes per token per block (Kimi-K3: ~700 KB/token, ~5x the AttnRes pool) and it has no GPU
+        # timing yet (benchmarks/attn_res_two_phase.py).
+        self.attn_res_two_phase = bool(cfg.get("attn_res_two_phase", False))
+        self._two_phase = AttnResTwoPhase(cfg["num_hidden_layers"], self.block_size, eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden [T, H]. Block AttnRes order of operations of
@@ -131,15 +138,16 @@ class KimiK3Model(nn.Module):
         layers, eps = self.layers, self.eps
         weight = self.embed_tokens.weight
 
-        def mix(l, kind, sources, out):
+        def weights(l, kind):
             if l is None:
-                g, w = self.output_attn_res_norm.weight, self.output_attn_res_proj.weight
-            elif kind == ATTN_MIX:
-                g, w = layers[l].self_attention_res_norm.weight, layers[l].self_attention_res_proj.weight
-            else:
-                assert kind == MLP_MIX
-                g, w = layers[l].mlp_res_norm.weight, layers[l].mlp_res_proj.weight
-            return attn_res_mix(sources, g, w, eps, out=out)
+                return self.output_attn_res_norm.weight, self.output_attn_res_proj.weight
+            if kind == ATTN_MIX:
+                return layers[l].self_attention_res_norm.weight, layers[l].self_attention_res_proj.weight
+            assert kind == MLP_MIX
+            return layers[l].mlp_res_norm.weight, layers[l].mlp_res_proj.weight
+
+        def mix(l, kind, sources, out):
+            return attn_res_mix(sources, *weights(l, kind), eps, out=out)
 
         def attn(l, h, out):
             return out.copy_(layers[l].self_attn(layers[l].input_layernorm(h)))
@@ -150,7 +158,8 @@ class KimiK3Model(nn.Module):
         res = execute_plan(self.attn_res_schedule, self.attn_res_storage, input_ids.shape[0], weight.shape[1],
                            weight.dtype, weight.device,
                            embed=lambda out: self.embed_tokens(input_ids, out=out),
-                           mix=mix, attn=attn, mlp=mlp, reuse=self.attn_res_reuse)
+                           mix=self._two_phase.mixer(weights) if self.attn_res_two_phase else mix,
+                           attn=attn, mlp=mlp, reuse=self.attn_res_reuse)
         return self.norm(res.y)
 
 

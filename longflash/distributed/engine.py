@@ -16,10 +16,12 @@ into a worker that exits when rank 0 shuts down (see ``docs/dcp.md``).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import logging
 import signal
 import sys
+import weakref
 
 import torch
 
@@ -127,6 +129,21 @@ class _Rank0Runner(DCPModelRunner):
             comm.destroy_distributed()
 
 
+def _stop_at_exit(runner: _Rank0Runner) -> None:
+    """Stop the workers when the interpreter exits with the engine still open (a script that never
+    calls ``shutdown``): they get the stop message and exit cleanly. Without it, multiprocessing's own
+    exit hook (registered earlier, so it runs later) SIGTERMs the daemon workers, which then leave
+    their semaphores behind ("resource_tracker: ... leaked semaphore objects"). Holds only a weak
+    reference: an engine dropped earlier is not kept alive."""
+    ref = weakref.ref(runner)
+
+    def stop() -> None:
+        r = ref()
+        if r is not None:
+            r.shutdown()
+    atexit.register(stop)
+
+
 def start_dcp(engine) -> DCPModelRunner:
     """Join or start the process group and return rank 0's runner (never returns on a torchrun
     worker rank: it serves steps, then exits the process).
@@ -177,6 +194,7 @@ def start_dcp(engine) -> DCPModelRunner:
                           parallel=ps, channel=comm.StepChannel(ps.tp, link=link), proposer=engine.proposer)
     runner.procs = procs
     runner.channel.check_worker = lambda rank: runner.check_workers()
+    _stop_at_exit(runner)
     logger.info("tensor parallelism %d, decode-context parallelism %d: %d ranks (%s, %s, rank 0 on %s), "
                 "interleave %d", world, cfg.decode_context_parallel_size, world,
                 "torchrun" if env is not None else "local processes", comm.backend(), engine.device,

@@ -30,6 +30,8 @@ run mxfp4_moe 120 python3 benchmarks/mxfp4_moe.py --out "$R"
 run attn_res_harness 100 python3 benchmarks/attn_res_harness.py --out "$R"
 run attn_res_kernel 70 python3 benchmarks/attn_res_kernel.py --out "$R"
 run attn_res_kernel_tests 50 python3 -m pytest -q -p no:cacheprovider tests/test_attn_res_triton.py -k "(gpu or graph) and not sm90"
+run attn_res_two_phase 80 python3 benchmarks/attn_res_two_phase.py --out "$R"
+run attn_res_two_phase_tests 40 python3 -m pytest -q -p no:cacheprovider tests/test_attn_res_two_phase.py -k gpu
 run moe_routing 90 python3 benchmarks/moe_routing.py --out "$R"
 run moe_router_gpu_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_moe_router_triton.py -k "gpu and not sm90"
 run fused_elementwise 70 python3 benchmarks/fused_elementwise.py --out "$R"

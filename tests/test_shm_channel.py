@@ -80,3 +80,31 @@ def test_a_message_longer_than_the_buffer_is_refused():
     link = LocalLink.create(_context(), 1, capacity=64)
     assert link.write(b"z" * 65, 5.0, lambda rank: None) is False
     assert link.for_worker(1).read(lambda: None) is None      # the worker is told to take the general path
+
+
+def _ready_ranks(rank, world, port, out):
+    import time as _time
+    comm.init_distributed(rank, world, port, timeout_s=30)
+    if rank == 1:
+        _time.sleep(1.6)              # "loading" for several warning periods
+        comm.mark_ready(rank)
+    else:
+        msgs = []
+        handler = logging.Handler()
+        handler.emit = lambda rec: msgs.append(rec.getMessage())
+        logging.getLogger("longflash.distributed.comm").addHandler(handler)
+        t0 = _time.monotonic()
+        comm.wait_until_ready(world, lambda: None, warn_after_s=0.5)
+        torch.save((_time.monotonic() - t0, msgs), out)
+    comm.dist.barrier()
+    comm.destroy_distributed()
+
+
+def test_rank0_waits_for_workers_still_loading(tmp_path):
+    """Rank 0 waits (no deadline while the worker is alive) until a worker that loads slowly marks itself
+    ready, warning each period (on 4 H200s an fp32 -tp 4 engine's workers lagged rank 0 by > 120 s)."""
+    out = str(tmp_path / "ready.pt")
+    assert run_ranks(_ready_ranks, 2, (out,), timeout_s=120) == [0, 0]
+    waited, msgs = torch.load(out)
+    assert waited >= 1.4
+    assert len(msgs) >= 2 and all("still loading" in m for m in msgs)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import io
+import logging
 import os
 import pickle
 import socket
@@ -34,6 +35,8 @@ import torch.distributed as dist
 from torch.serialization import default_restore_location
 
 from longflash.distributed.placement import apply_nccl_env_defaults, default_backend, restore_location
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 _timeout_s = DEFAULT_TIMEOUT_S  # the timeout of the default group, reused for subgroups
@@ -156,6 +159,32 @@ def _wait_for_peers(world_size: int, timeout_s: float, check_peers) -> None:
         check_peers()
         if time.monotonic() > deadline:
             raise TimeoutError(f"ranks 1..{world_size - 1} did not join within {timeout_s:.0f} s")
+
+
+def mark_ready(rank: int) -> None:
+    """A locally started worker: its model and KV shard are built (see :func:`wait_until_ready`)."""
+    _store.set(f"longflash/ready/{rank}", b"1")
+
+
+def wait_until_ready(world_size: int, check_peers, warn_after_s: float) -> None:
+    """Rank 0: wait until ranks 1..world_size-1 have called :func:`mark_ready`, calling
+    ``check_peers()`` (raises when a worker is gone) between 0.5 s waits, with a warning every
+    ``warn_after_s`` seconds; no deadline while the workers are alive. The workers load their shards
+    after joining, so they lag rank 0 by their load time (minutes for a large fp32 model); without this
+    wait rank 0's first steps, collectives and CUDA-graph capture ran into that lag and its timeouts."""
+    keys = [f"longflash/ready/{r}" for r in range(1, world_size)]
+    t0, warned = time.monotonic(), 0
+    while True:
+        try:
+            _store.wait(keys, datetime.timedelta(seconds=0.5))
+            return
+        except (RuntimeError, dist.DistStoreError):  # the wait timed out
+            pass
+        check_peers()
+        waited = time.monotonic() - t0
+        if waited >= (warned + 1) * warn_after_s:
+            warned += 1
+            logger.warning("TP/DCP workers still loading after %.0f s (alive; waiting)", waited)
 
 
 def destroy_distributed() -> None:

@@ -71,6 +71,7 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
         model, _ = load_model(config.model, dtype, device, progress=False)
         proposer = _worker_proposer(drafter, model, config, num_blocks, dtype, device)
         runner = _make_runner(model, config, num_blocks, kv_cache_dtype, device, ps, proposer, link)
+        comm.mark_ready(rank)
         runner.serve_forever()
         runner.release_graphs()
     except BaseException:
@@ -195,6 +196,8 @@ def start_dcp(engine) -> DCPModelRunner:
     runner.procs = procs
     runner.channel.check_worker = lambda rank: runner.check_workers()
     _stop_at_exit(runner)
+    if procs:
+        comm.wait_until_ready(world, runner.check_workers, cfg.distributed_timeout_s)
     logger.info("tensor parallelism %d, decode-context parallelism %d: %d ranks (%s, %s, rank 0 on %s), "
                 "interleave %d", world, cfg.decode_context_parallel_size, world,
                 "torchrun" if env is not None else "local processes", comm.backend(), engine.device,

@@ -27,6 +27,7 @@ from longflash.training.config import default_model_config
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from attn_res_harness import RandomSublayers  # noqa: E402
 from interpreter_run import run_interpreted  # noqa: E402
+from sm90_compile import compile_report  # noqa: E402
 from test_kimi_k3 import SMALL, _save_random  # noqa: E402
 
 EPS = 1e-5
@@ -294,60 +295,54 @@ def test_two_phase_gpu_kimi_shapes():
                 assert _within(first, attn_res_mix_reference(src, G[0], W[0], EPS)), (dtype, T, C)
 
 
-_SM90_SCRIPT = r"""
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from longflash.layers import attn_res_two_phase_triton as tp
-from longflash.layers.attn_res_triton import _tile
-div = [["tt.divisibility", 16]]
-out = {}
-def build(kern, sig, constexprs, aligned, warps, key):
-    idx = kern.arg_names.index
-    attrs = {}
-    for n in aligned:
-        if isinstance(sig[n], tuple):
-            attrs |= {(idx(n), j): div for j in range(len(sig[n]))}
-        else:
-            attrs[(idx(n),)] = div
-    try:
-        c = triton.compile(ASTSource(fn=kern, signature=sig, attrs=attrs,
-                                     constexprs={(idx(k),): v for k, v in constexprs.items()}),
-                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-        out[key] = dict(ok=bool(c.asm.get("cubin")), vector_loads=c.asm["ptx"].count("ld.global.v"))
-    except Exception as e:
-        out[key] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}")
-for dt, H, T, C in (("bf16", 7168, 1, 1), ("bf16", 7168, 4096, 8), ("bf16", 256, 16, 4), ("fp32", 7168, 64, 3)):
-    bh, rows, warps = _tile(H, T)
-    sig = dict(src_ptrs=tuple([f"*{dt}"] * C), src_strides=tuple(["i32"] * C), g_ptr=f"*{dt}", w_ptr=f"*{dt}",
-               acc_ptr="*fp32", lse_ptr="*fp32", n_rows="i32", H="i32", Q="i32", eps="fp32",
-               C="constexpr", BLOCK_H="constexpr", BLOCK_ROWS="constexpr")
-    build(tp._block_partials_kernel, sig, dict(C=C, BLOCK_H=bh, BLOCK_ROWS=rows),
-          ("src_ptrs", "src_strides", "g_ptr", "w_ptr", "acc_ptr", "H"), warps, f"partials-{dt}-H{H}-T{T}-C{C}")
-    sig = dict(acc_ptr="*fp32", stride_acc="i32", lse_ptr="*fp32", x_ptr=f"*{dt}", stride_x="i32", g_ptr=f"*{dt}",
-               w_ptr=f"*{dt}", out_ptr=f"*{dt}", stride_o="i32", n_rows="i32", H="i32", eps="fp32",
-               BLOCK_H="constexpr", BLOCK_ROWS="constexpr")
-    build(tp._merge_prefix_kernel, sig, dict(BLOCK_H=bh, BLOCK_ROWS=rows),
-          ("acc_ptr", "stride_acc", "x_ptr", "stride_x", "g_ptr", "w_ptr", "out_ptr", "stride_o", "H"), warps,
-          f"merge-{dt}-H{H}-T{T}")
-print("RESULT" + json.dumps(out))
-"""
+def _compile_sm90() -> dict:
+    """Compile both kernels for sm_90 (run by ``sm90_compile.compile_report`` in a subprocess)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from longflash.layers import attn_res_two_phase_triton as tp
+    from longflash.layers.attn_res_triton import _tile
+    div = [["tt.divisibility", 16]]
+    out = {}
+
+    def build(kern, sig, constexprs, aligned, warps, key):
+        idx = kern.arg_names.index
+        attrs = {}
+        for n in aligned:
+            if isinstance(sig[n], tuple):
+                attrs |= {(idx(n), j): div for j in range(len(sig[n]))}
+            else:
+                attrs[(idx(n),)] = div
+        try:
+            c = triton.compile(ASTSource(fn=kern, signature=sig, attrs=attrs,
+                                         constexprs={(idx(k),): v for k, v in constexprs.items()}),
+                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+            out[key] = dict(ok=bool(c.asm.get("cubin")), vector_loads=c.asm["ptx"].count("ld.global.v"))
+        except Exception as e:
+            out[key] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}")
+    for dt, H, T, C in (("bf16", 7168, 1, 1), ("bf16", 7168, 4096, 8), ("bf16", 256, 16, 4), ("fp32", 7168, 64, 3)):
+        bh, rows, warps = _tile(H, T)
+        sig = dict(src_ptrs=tuple([f"*{dt}"] * C), src_strides=tuple(["i32"] * C), g_ptr=f"*{dt}", w_ptr=f"*{dt}",
+                   acc_ptr="*fp32", lse_ptr="*fp32", n_rows="i32", H="i32", Q="i32", eps="fp32",
+                   C="constexpr", BLOCK_H="constexpr", BLOCK_ROWS="constexpr")
+        build(tp._block_partials_kernel, sig, dict(C=C, BLOCK_H=bh, BLOCK_ROWS=rows),
+              ("src_ptrs", "src_strides", "g_ptr", "w_ptr", "acc_ptr", "H"), warps, f"partials-{dt}-H{H}-T{T}-C{C}")
+        sig = dict(acc_ptr="*fp32", stride_acc="i32", lse_ptr="*fp32", x_ptr=f"*{dt}", stride_x="i32", g_ptr=f"*{dt}",
+                   w_ptr=f"*{dt}", out_ptr=f"*{dt}", stride_o="i32", n_rows="i32", H="i32", eps="fp32",
+                   BLOCK_H="constexpr", BLOCK_ROWS="constexpr")
+        build(tp._merge_prefix_kernel, sig, dict(BLOCK_H=bh, BLOCK_ROWS=rows),
+              ("acc_ptr", "stride_acc", "x_ptr", "stride_x", "g_ptr", "w_ptr", "out_ptr", "stride_o", "H"), warps,
+              f"merge-{dt}-H{H}-T{T}")
+    return out
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Both kernels compile for sm_90 (Triton's bundled ptxas) at Kimi-K3 and default-model tiles, with
     vectorised loads."""
-    import subprocess
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
-        pytest.skip("Triton's bundled ptxas is not available")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-    res = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    res = compile_report(__file__)
     assert len(res) == 8 and all(v["ok"] and v["vector_loads"] > 0 for v in res.values()), res
+
+
+if __name__ == "__main__" and "--compile-sm90" in sys.argv:
+    import json
+    print(json.dumps(_compile_sm90()))

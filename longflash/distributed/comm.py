@@ -145,11 +145,12 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, mas
     return de
 
 
-def _wait_for_peers(world_size: int, timeout_s: float, check_peers) -> None:
-    """Rank 0: wait until ranks 1..world_size-1 set their ``joined`` key, calling ``check_peers()``
-    between 0.5 s waits. Raises TimeoutError after ``timeout_s``."""
-    keys = [f"longflash/joined/{r}" for r in range(1, world_size)]
-    deadline = time.monotonic() + timeout_s
+def _wait_for_keys(keys: list[str], check_peers, timeout_s: float | None = None, warn_after_s: float | None = None,
+                   what: str = "") -> None:
+    """Rank 0: wait until every store key in ``keys`` is set, calling ``check_peers()`` (raises when a
+    peer is gone) between 0.5 s waits. Raises TimeoutError naming ``what`` after ``timeout_s`` (None:
+    no deadline); logs a warning every ``warn_after_s`` seconds of waiting (None: never)."""
+    t0, warned = time.monotonic(), 0
     while True:
         try:
             _store.wait(keys, datetime.timedelta(seconds=0.5))
@@ -157,8 +158,19 @@ def _wait_for_peers(world_size: int, timeout_s: float, check_peers) -> None:
         except (RuntimeError, dist.DistStoreError):  # the wait timed out
             pass
         check_peers()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"ranks 1..{world_size - 1} did not join within {timeout_s:.0f} s")
+        waited = time.monotonic() - t0
+        if timeout_s is not None and waited > timeout_s:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
+        if warn_after_s is not None and waited >= (warned + 1) * warn_after_s:
+            warned += 1
+            logger.warning("%s after %.0f s (alive; waiting)", what, waited)
+
+
+def _wait_for_peers(world_size: int, timeout_s: float, check_peers) -> None:
+    """Rank 0: wait until ranks 1..world_size-1 set their ``joined`` key, calling ``check_peers()``
+    between 0.5 s waits. Raises TimeoutError after ``timeout_s``."""
+    _wait_for_keys([f"longflash/joined/{r}" for r in range(1, world_size)], check_peers, timeout_s=timeout_s,
+                   what=f"ranks 1..{world_size - 1} did not join")
 
 
 def mark_ready(rank: int) -> None:
@@ -172,19 +184,8 @@ def wait_until_ready(world_size: int, check_peers, warn_after_s: float) -> None:
     ``warn_after_s`` seconds; no deadline while the workers are alive. The workers load their shards
     after joining, so they lag rank 0 by their load time (minutes for a large fp32 model); without this
     wait rank 0's first steps, collectives and CUDA-graph capture ran into that lag and its timeouts."""
-    keys = [f"longflash/ready/{r}" for r in range(1, world_size)]
-    t0, warned = time.monotonic(), 0
-    while True:
-        try:
-            _store.wait(keys, datetime.timedelta(seconds=0.5))
-            return
-        except (RuntimeError, dist.DistStoreError):  # the wait timed out
-            pass
-        check_peers()
-        waited = time.monotonic() - t0
-        if waited >= (warned + 1) * warn_after_s:
-            warned += 1
-            logger.warning("TP/DCP workers still loading after %.0f s (alive; waiting)", waited)
+    _wait_for_keys([f"longflash/ready/{r}" for r in range(1, world_size)], check_peers, warn_after_s=warn_after_s,
+                   what="TP/DCP workers still loading")
 
 
 def destroy_distributed() -> None:

@@ -29,16 +29,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _attn_res_mix_kernel(src_ptrs, src_strides, g_ptr, w_ptr, out_ptr, n_rows, H, stride_o, eps,
-                         S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_H)
-    rmask = rows < n_rows
-    cmask = cols < H
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)
-    q = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * \
-        tl.load(g_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+def mix_sources_online(src_ptrs, src_strides, q, r64, cols, mask, H, eps, S: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_ROWS: tl.constexpr):
+    """The online softmax over S source rows of one token tile (shared with the two-phase kernel):
+    rows ``r64`` [BLOCK_ROWS] (int64) and columns ``cols`` [BLOCK_H] of the sources ``src_ptrs[j]``
+    (row stride ``src_strides[j]``), pseudo-query ``q`` [BLOCK_H] fp32. Returns (m, l, acc): the
+    running max and normaliser [BLOCK_ROWS] and the unnormalised sum [BLOCK_ROWS, BLOCK_H], fp32."""
     m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_ROWS,), tl.float32)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_H), tl.float32)
@@ -53,6 +49,21 @@ def _attn_res_mix_kernel(src_ptrs, src_strides, g_ptr, w_ptr, out_ptr, n_rows, H
         acc = acc * alpha[:, None] + p[:, None] * x
         l = l * alpha + p
         m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _attn_res_mix_kernel(src_ptrs, src_strides, g_ptr, w_ptr, out_ptr, n_rows, H, stride_o, eps,
+                         S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    rmask = rows < n_rows
+    cmask = cols < H
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)
+    q = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * \
+        tl.load(g_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    m, l, acc = mix_sources_online(src_ptrs, src_strides, q, r64, cols, mask, H, eps, S, BLOCK_H, BLOCK_ROWS)
     y = acc / l[:, None]
     tl.store(out_ptr + r64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 

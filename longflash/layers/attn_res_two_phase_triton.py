@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longflash.layers.attn_res_triton import _tile
+from longflash.layers.attn_res_triton import _tile, mix_sources_online
 from longflash.layers.attn_res_two_phase import AttnResPartials, _check_block_args, _check_merge_args
 
 
@@ -40,20 +40,7 @@ def _block_partials_kernel(src_ptrs, src_strides, g_ptr, w_ptr, acc_ptr, lse_ptr
     q64 = qi.to(tl.int64)
     q = tl.load(w_ptr + q64 * H + cols, mask=cmask, other=0.0).to(tl.float32) * \
         tl.load(g_ptr + q64 * H + cols, mask=cmask, other=0.0).to(tl.float32)
-    m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_ROWS,), tl.float32)
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_H), tl.float32)
-    for j in tl.static_range(C):
-        x = tl.load(src_ptrs[j] + r64[:, None] * src_strides[j] + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        ms = tl.sum(x * x, axis=1) / H
-        s = tl.sum(x * q[None, :], axis=1) * tl.math.rsqrt(ms + eps)
-        m_new = tl.maximum(m, s)
-        alpha = tl.exp(m - m_new)  # 0 for the first row (m = -inf)
-        p = tl.exp(s - m_new)
-        acc = acc * alpha[:, None] + p[:, None] * x
-        l = l * alpha + p
-        m = m_new
+    m, l, acc = mix_sources_online(src_ptrs, src_strides, q, r64, cols, mask, H, eps, C, BLOCK_H, BLOCK_ROWS)
     base = q64 * n_rows + r64
     tl.store(acc_ptr + base[:, None] * H + cols[None, :], acc / l[:, None], mask=mask)
     tl.store(lse_ptr + base, m + tl.log(l), mask=rmask)

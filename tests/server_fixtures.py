@@ -75,7 +75,7 @@ def free_port() -> int:
 class ServerProcess:
     """``longflash serve`` in a subprocess; ``url`` is its base URL. Use as a context manager."""
 
-    def __init__(self, model_dir: str, *extra: str, startup_timeout: float = 120.0):
+    def __init__(self, model_dir: str, *extra: str, startup_timeout: float = 120.0, new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "longflash.entrypoints.cli", "serve", model_dir, "--port", str(self.port),
@@ -83,7 +83,10 @@ class ServerProcess:
         self.log_path = os.path.join(os.path.dirname(model_dir), f"server-{self.port}.log")
         self._log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # new_session: the server leads its own process group (a test can signal the group, as a terminal's
+        # Ctrl-C does, without signalling pytest)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)
         deadline = time.time() + startup_timeout
         while True:
             if self.proc.poll() is not None:

@@ -4,12 +4,14 @@ uvicorn subclass): every request in flight â€” each choice of an n > 1 request â
 and no new request is queued. The n choices of a request are queued by one engine-thread command."""
 
 import asyncio
+import signal
 
 import pytest
 
 from longflash import LLM, SamplingParams
 from longflash.entrypoints.server.async_engine import AsyncEngine, ServerShuttingDown
 from longflash.entrypoints.server.metrics import ServerMetrics
+from server_fixtures import ServerProcess, make_tiny_model
 
 
 def test_stop_all_requests_ends_streams_and_refuses_new_ones():
@@ -46,3 +48,18 @@ def test_stop_all_requests_ends_streams_and_refuses_new_ones():
         ae.shutdown()
     assert ends == ["the server is shutting down"] * 3
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == free0
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 0), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_serve_exits_with_the_documented_status_and_no_traceback(tmp_path, sig, status):
+    """``longflash serve`` after SIGINT exits 0 and after SIGTERM 143, without a traceback, once the
+    engine is stopped (uvicorn >= 0.29 re-raises the signal after its shutdown: Python's default SIGINT
+    handler then printed a KeyboardInterrupt traceback and the status was 130 / -2; found by a fresh user)."""
+    model = make_tiny_model(str(tmp_path / "model"))
+    srv = ServerProcess(model, "--speculative-config", "off")
+    try:
+        srv.proc.send_signal(sig)
+        assert srv.proc.wait(timeout=60) == status, srv.log()[-3000:]
+        assert "Traceback" not in srv.log(), srv.log()[-3000:]
+    finally:
+        srv.stop()

@@ -148,17 +148,18 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, mas
 def _wait_for_keys(keys: list[str], check_peers, timeout_s: float | None = None, warn_after_s: float | None = None,
                    what: str = "") -> None:
     """Rank 0: wait until every store key in ``keys`` is set, calling ``check_peers()`` (raises when a
-    peer is gone) between 0.5 s waits. Raises TimeoutError naming ``what`` after ``timeout_s`` (None:
+    peer is gone) every 0.5 s. Raises TimeoutError naming ``what`` after ``timeout_s`` (None:
     no deadline); logs a warning every ``warn_after_s`` seconds of waiting (None: never)."""
-    t0, warned = time.monotonic(), 0
-    while True:
-        try:
-            _store.wait(keys, datetime.timedelta(seconds=0.5))
-            return
-        except (RuntimeError, dist.DistStoreError):  # the wait timed out
-            pass
+    t0, warned, last_check = time.monotonic(), 0, 0.0
+    # NOTE: polled with store.check, not store.wait with a short timeout: every timed-out wait logs two
+    # c10d "waitForInput ... timed out" warnings (8-12 lines per engine start).
+    while not _store.check(keys):
+        time.sleep(0.02)
+        if time.monotonic() - last_check < 0.5:
+            continue
+        last_check = time.monotonic()
         check_peers()
-        waited = time.monotonic() - t0
+        waited = last_check - t0
         if timeout_s is not None and waited > timeout_s:
             raise TimeoutError(f"{what} within {timeout_s:.0f} s")
         if warn_after_s is not None and waited >= (warned + 1) * warn_after_s:
@@ -449,16 +450,18 @@ class StepChannel:
         self.link = link
         self.check_worker = lambda rank: None
 
-    def post(self, obj, plain: bool = False) -> None:
+    def post(self, obj, plain: bool = False, deadline_s: float | None = None) -> None:
         """Send ``obj`` to the workers. ``plain``: it holds no torch tensors (Python values and NumPy
-        arrays only), so on a link it is pickled as is (tens of µs) instead of by ``torch.save``."""
+        arrays only), so on a link it is pickled as is (tens of µs) instead of by ``torch.save``.
+        ``deadline_s`` (link only; the stop message): raise TimeoutError if a live worker has not taken
+        the previous message within it (by default a busy worker is waited for, with warnings)."""
         self.step += 1
         if self.group.world_size == 1:
             return
         if self.link is not None:
             data = (b"p" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) if plain else \
                 (b"t" + _pack(obj).numpy().tobytes())
-            if not self.link.write(data, _timeout_s, self.check_worker):
+            if not self.link.write(data, _timeout_s, self.check_worker, deadline_s):
                 self.group.broadcast_object(obj, src=0)   # too long for the buffer: the workers wait in it
             return
         _store.set(f"{self.prefix}/{self.step}", b"1")

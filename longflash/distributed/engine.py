@@ -21,6 +21,7 @@ import faulthandler
 import logging
 import signal
 import sys
+import time
 import weakref
 
 import torch
@@ -60,6 +61,10 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
     applies on the CPU only, where the ranks share the cores."""
     from longflash.models.loader import load_model
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints where a worker is
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 alone handles it (a server ends its
+    # requests with 503s and then stops the workers; a script's exit hook stops them), so a worker must
+    # not die of it in the middle of a step (its peers would see "connection closed" instead).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = bind_rank_device(config.device, world, rank)
         if device.type == "cpu":
@@ -108,6 +113,38 @@ class _Rank0Runner(DCPModelRunner):
         self.check_workers()
         return super().prepare(sched)
 
+    def execute(self, sched, all_logits: bool = False, tapper=None, proposer=None):
+        try:
+            return super().execute(sched, all_logits, tapper, proposer)
+        except Exception as e:
+            self._name_dead_worker(e)
+            raise
+
+    def propose(self, proposer, requests):
+        try:
+            return super().propose(proposer, requests)
+        except Exception as e:
+            self._name_dead_worker(e)
+            raise
+
+    def _name_dead_worker(self, error: Exception, wait_s: float = 2.0) -> None:
+        """A step failed (typically a collective: "Connection closed by peer"): if a local worker
+        exited (it may take a moment to be reaped), raise RuntimeError naming it, chained to ``error``;
+        otherwise return and let the caller re-raise ``error``. Only a communication error (a
+        ``torch.distributed`` error, or gloo's / NCCL's RuntimeError) waits for a worker to be reaped."""
+        msg = str(error).lower()
+        if not (isinstance(error, torch.distributed.DistError) or "gloo" in msg or "nccl" in msg):
+            wait_s = 0.0
+        deadline = time.monotonic() + wait_s
+        while self.procs:
+            try:
+                self.check_workers()
+            except RuntimeError as dead:
+                raise dead from error
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
     def shutdown(self) -> None:
         if getattr(self, "_closed", False):
             return
@@ -117,7 +154,9 @@ class _Rank0Runner(DCPModelRunner):
                         self.draft_checks, self.draft_mismatches)
         try:
             if all(p.exitcode is None for p in self.procs):
-                self.channel.post(None)
+                # Bounded: after Ctrl-C in the middle of a step a worker may wait in a collective that
+                # rank 0 will never join; it is killed below instead of holding up the exit.
+                self.channel.post(None, deadline_s=5.0)
         except Exception as e:  # noqa: BLE001 — a dead worker makes the stop message fail; kill below
             logger.warning("DCP shutdown: could not reach every worker (%s); stopping them", e)
         finally:

@@ -52,7 +52,8 @@ class LocalLink:
         """Worker ``rank``'s end (1-based); pass it to that worker's process as an argument."""
         return LocalLink(self._data, self._length, self.ready[rank - 1], self.free[rank - 1], self.capacity)
 
-    def write(self, data: memoryview | bytes, warn_after_s: float, check: Callable[[int], None]) -> bool:
+    def write(self, data: memoryview | bytes, warn_after_s: float, check: Callable[[int], None],
+              deadline_s: float | None = None) -> bool:
         """Rank 0: wait until every worker has read the previous message, then publish ``data``.
         Returns False (and publishes the length -1) when ``data`` is longer than the buffer: the caller
         then sends it on the general path. ``check(worker)`` is called every ``POLL_S`` of waiting (it
@@ -61,13 +62,16 @@ class LocalLink:
         it by minutes (an fp32 3.3B model at -tp 4: loading and first-use kernel compiles on every rank,
         while rank 0 waits on no collective), so a fixed deadline here failed working engines. Every
         ``warn_after_s`` seconds of waiting logs a warning naming the worker (a worker stuck in a
-        collective dies at the collective's own timeout, and ``check`` then raises)."""
+        collective dies at the collective's own timeout, and ``check`` then raises). ``deadline_s``
+        (the stop message at shutdown): raise TimeoutError naming the worker after that many seconds."""
         for w, sem in enumerate(self.free, start=1):
             t0 = time.monotonic()
             warned = 0
             while not sem.acquire(timeout=POLL_S):
                 check(w)
                 waited = time.monotonic() - t0
+                if deadline_s is not None and waited > deadline_s:
+                    raise TimeoutError(f"TP/DCP worker rank {w} did not take the previous step within {deadline_s:.0f} s")
                 if waited >= (warned + 1) * warn_after_s:
                     warned += 1
                     logger.warning("TP/DCP worker rank %d has not taken the previous step for %.0f s; it is alive, "

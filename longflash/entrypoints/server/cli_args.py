@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from longflash.config import parse_bytes
@@ -117,12 +118,22 @@ def run_server(args: argparse.Namespace) -> int:
 
     server = _Uvicorn(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                      access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5))
+    # uvicorn (>= 0.29) re-raises the SIGINT/SIGTERM it handled once it has shut down, to the handlers
+    # that were installed before it ran: with Python's defaults that is a KeyboardInterrupt traceback
+    # and exit status 130, or for SIGTERM death before the workers are stopped. These handlers take the
+    # re-raised signal (the shutdown already happened), so the engine and its workers are stopped below;
+    # the exit status is then 0 after SIGINT and 143 (128 + SIGTERM, what a supervisor expects) after
+    # SIGTERM.
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, f: received.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # a second Ctrl-C during the shutdown below interrupts it
         async_engine.shutdown()
         engine.shutdown()  # stops the worker processes of a -tp/-dcp engine
     if died:
         print(f"error: the engine died: {type(died[0]).__name__}: {died[0]}", file=sys.stderr)
         return 1
-    return 0
+    return 128 + signal.SIGTERM if signal.SIGTERM in received else 0

@@ -130,6 +130,8 @@ class EngineConfig:
     # least dflash_staged_threshold tokens quantize each tap as it is produced (staged).
     dflash_mxfp8_input: bool = False
     dflash_staged_threshold: int = 512
+    # Largest ``SamplingParams.logprobs`` accepted (vLLM's default 20; ``longflash serve --max-logprobs``).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -152,6 +154,9 @@ class EngineConfig:
             setattr(self, name, v)
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if not isinstance(self.max_logprobs, numbers.Integral) or isinstance(self.max_logprobs, bool) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):

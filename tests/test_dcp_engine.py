@@ -148,3 +148,23 @@ def test_script_that_never_shuts_down_stops_its_workers_cleanly(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tokens 4" in r.stdout
     assert "leaked" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_llm_shutdown_then_generate_says_the_engine_was_shut_down(tiny_model):
+    """``LLM.shutdown()`` (vLLM users reach for it; it was missing) stops the workers, is idempotent,
+    and a later generate names the cause (it used to say "DCP worker rank 1 exited (code 0)")."""
+    from longflash import LLM
+    llm = LLM(tiny_model("dsv3-qlora-interleave-yarn"), block_size=4, num_gpu_blocks=128, skip_tokenizer_init=True,
+              tensor_parallel_size=2, speculative_config="off", distributed_timeout_s=30)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    llm.shutdown()
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+
+
+def test_llm_unknown_engine_argument_names_it():
+    from longflash import LLM
+    with pytest.raises(TypeError, match="unknown engine argument.*gpu_memory_utilization.*kv_cache_memory"):
+        LLM(gpu_memory_utilization=0.5)

@@ -37,6 +37,8 @@ def test_bad_prompts_and_stop_ids(llm):
             llm.generate([bad], sp)
     with pytest.raises(ValueError, match="stop_token_ids contains 1000000000, outside the vocabulary"):
         llm.generate(["hi"], SamplingParams(max_tokens=2, stop_token_ids=[10 ** 9]))
+    with pytest.raises(ValueError, match="logprobs 1000000 exceeds max_logprobs 20"):   # as vLLM's default cap
+        llm.generate(["hi"], SamplingParams(max_tokens=2, logprobs=10 ** 6))
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.generate(["hi"], sp)[0].outputs[0].token_ids) == 2  # still serving
 

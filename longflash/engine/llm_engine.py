@@ -353,9 +353,16 @@ class LLMEngine:
         logger.info("model loaded in %.2f s (dtype %s, device %s)", r["model_load_time_s"], r["dtype"], self.device)
         from longflash.models.weight_report import format_weight_report, weight_memory_report
         logger.info("%s", format_weight_report(weight_memory_report(self.model)))
-        logger.info("KV cache: %d tokens in %d blocks of %d (%s, %d bytes/token, %.1f MiB)", r["kv_cache_tokens"],
-                    r["kv_cache_blocks"], self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
-                    r["kv_cache_bytes"] / 2**20)
+        dcp = r["decode_context_parallel_size"]
+        if dcp > 1:  # blocks and bytes are one rank's; a block holds block_size tokens of each rank's shard
+            logger.info("KV cache: %d tokens = %d DCP ranks x %d blocks of %d per rank (%s, %d bytes per cached "
+                        "row on a rank, %.1f MiB per rank)", r["kv_cache_tokens"], dcp, r["kv_cache_blocks"],
+                        self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
+                        r["kv_cache_bytes"] / 2**20)
+        else:
+            logger.info("KV cache: %d tokens in %d blocks of %d (%s, %d bytes/token, %.1f MiB)", r["kv_cache_tokens"],
+                        r["kv_cache_blocks"], self.config.block_size, r["kv_cache_dtype"], r["kv_bytes_per_token"],
+                        r["kv_cache_bytes"] / 2**20)
         if r["decode_context_parallel_size"] > 1:
             logger.info("decode-context parallelism %d: each rank holds %.1f MiB of KV (target shard %.1f MiB + "
                         "replicated draft pool %.1f MiB); capacity x%d = %d tokens",
@@ -393,9 +400,11 @@ class LLMEngine:
             self.runner.check_workers()
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a multi-process engine (no-op for one process)."""
+        """Stop the worker processes of a multi-process engine (no-op for one process). Idempotent; a
+        multi-process engine then refuses new requests (RuntimeError)."""
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
+            self._shut_down = True
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -442,8 +451,14 @@ class LLMEngine:
                     arrival_time: float | None = None) -> str:
         """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids": [...]}``.
 
-        Returns the request id. Raises ValueError (nothing is queued) for invalid input.
+        Returns the request id. Raises ValueError (nothing is queued) for invalid input, RuntimeError
+        after :meth:`shutdown` of a multi-process engine.
         """
+        if getattr(self, "_shut_down", False):
+            raise RuntimeError("this engine was shut down (its worker processes are stopped); create a new one")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs {self.config.max_logprobs} (an engine "
+                             f"argument; `longflash serve --max-logprobs`)")
         text = None
         if isinstance(prompt, dict):
             ids = list(prompt.get("prompt_token_ids") or [])

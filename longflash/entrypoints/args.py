@@ -78,4 +78,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         distributed_timeout_s=getattr(args, "distributed_timeout_s", 60.0),
         speculative_config=getattr(args, "speculative_config", None),
         dflash_mxfp8_input=getattr(args, "dflash_mxfp8_input", False),
-        dflash_staged_threshold=getattr(args, "dflash_staged_threshold", 512))
+        dflash_staged_threshold=getattr(args, "dflash_staged_threshold", 512),
+        max_logprobs=getattr(args, "max_logprobs", 20))

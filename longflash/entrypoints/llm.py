@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -25,7 +26,21 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            hints = {"gpu_memory_utilization": "the KV cache is sized by kv_cache_memory (bytes or '8GiB') or "
+                                               "num_gpu_blocks, not by a fraction of the GPU",
+                     "trust_remote_code": "models run on longflash's own implementations; no remote code is run"}
+            raise TypeError(f"LLM() got unknown engine argument(s) {', '.join(unknown)}"
+                            + "".join(f"; {k}: {hints[k]}" for k in unknown if k in hints)
+                            + f". Engine arguments: {', '.join(sorted(known - {'model'}))}")
         self.engine = LLMEngine(EngineConfig(model=model or default_model_path(), **kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (a ``tensor_parallel_size`` > 1 engine; a no-op for one
+        process). Later calls to ``generate``/``chat`` raise RuntimeError. Also done at interpreter exit."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -215,7 +215,10 @@ class _Server:
             raise ApiError(400, f"best_of is not supported (vLLM V1 dropped it); leave it out or equal to n, got "
                            f"best_of={req.best_of} with n={req.n}", param="best_of", code="invalid_value")
         if max_tokens is not None and max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens",
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            raise ApiError(400, f"{name} must be >= 1, got {max_tokens}", param=name, code="invalid_value")
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options can only be set when stream is true", param="stream_options",
                            code="invalid_value")
         if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
             raise ApiError(400, f"logprobs must be in [0, {self.max_logprobs}], got {logprobs}", param="logprobs",

@@ -168,3 +168,38 @@ def test_llm_unknown_engine_argument_names_it():
     from longflash import LLM
     with pytest.raises(TypeError, match="unknown engine argument.*gpu_memory_utilization.*kv_cache_memory"):
         LLM(gpu_memory_utilization=0.5)
+
+
+def test_ctrl_c_in_the_middle_of_a_step_exits_promptly(tmp_path):
+    """Ctrl-C (SIGINT to the process group) while a -tp 2 script generates: the workers ignore it and
+    wait in a collective rank 0 left; rank 0's exit hook sees the interrupted step and kills them at
+    once instead of posting a stop message they cannot read (that took 11 s: a 5 s post deadline,
+    then a 10 s join), and nothing is left running."""
+    import subprocess
+    import sys
+    script = tmp_path / "interrupted.py"
+    script.write_text("from longflash import LLM, SamplingParams\n"
+                      "if __name__ == '__main__':\n"
+                      "    llm = LLM(tensor_parallel_size=2, distributed_timeout_s=60)\n"
+                      "    print('READY', flush=True)\n"
+                      "    llm.generate(['def f(x):'] * 4, SamplingParams(max_tokens=5000, ignore_eos=True), "
+                      "use_tqdm=False)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        for line in p.stdout:
+            if "READY" in line:
+                break
+        time.sleep(2.0)
+        group = subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split()
+        os.killpg(p.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        p.communicate(timeout=60)
+        assert time.monotonic() - t0 < 8
+        time.sleep(0.5)
+        alive = [x for x in group if os.path.exists(f"/proc/{x}") and open(f"/proc/{x}/stat").read().split()[2] != "Z"]
+        assert not alive, alive
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)

@@ -113,19 +113,29 @@ class _Rank0Runner(DCPModelRunner):
         self.check_workers()
         return super().prepare(sched)
 
+    # True from the start of a step until it returns: a step left open (Ctrl-C in its middle: a
+    # KeyboardInterrupt is not an Exception) leaves the workers inside collectives rank 0 will not join.
+    _step_open = False
+
     def execute(self, sched, all_logits: bool = False, tapper=None, proposer=None):
+        self._step_open = True
         try:
-            return super().execute(sched, all_logits, tapper, proposer)
+            out = super().execute(sched, all_logits, tapper, proposer)
         except Exception as e:
             self._name_dead_worker(e)
             raise
+        self._step_open = False
+        return out
 
     def propose(self, proposer, requests):
+        self._step_open = True
         try:
-            return super().propose(proposer, requests)
+            out = super().propose(proposer, requests)
         except Exception as e:
             self._name_dead_worker(e)
             raise
+        self._step_open = False
+        return out
 
     def _name_dead_worker(self, error: Exception, wait_s: float = 2.0) -> None:
         """A step failed (typically a collective: "Connection closed by peer"): if a local worker
@@ -152,11 +162,15 @@ class _Rank0Runner(DCPModelRunner):
         if self.draft_checks:
             logger.info("DCP DFlash: %d draft steps checked on every rank, %d worker drafts differed from rank 0's",
                         self.draft_checks, self.draft_mismatches)
+        interrupted = self._step_open and bool(self.procs)
         try:
-            if all(p.exitcode is None for p in self.procs):
-                # Bounded: after Ctrl-C in the middle of a step a worker may wait in a collective that
-                # rank 0 will never join; it is killed below instead of holding up the exit.
-                self.channel.post(None, deadline_s=5.0)
+            if interrupted:
+                # The workers wait in a collective of the interrupted step (until its timeout): stop
+                # them now rather than after a stop message they cannot read.
+                for p in self.procs:
+                    p.kill()
+            elif all(p.exitcode is None for p in self.procs):
+                self.channel.post(None, deadline_s=5.0)   # bounded: a stuck worker is killed below
         except Exception as e:  # noqa: BLE001 — a dead worker makes the stop message fail; kill below
             logger.warning("DCP shutdown: could not reach every worker (%s); stopping them", e)
         finally:
@@ -165,8 +179,13 @@ class _Rank0Runner(DCPModelRunner):
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-            self.release_graphs()
-            comm.destroy_distributed()
+            if not interrupted:
+                self.release_graphs()
+                comm.destroy_distributed()
+            elif self.device.type == "cpu":  # gloo: the group can go (a new engine may follow in this process)
+                comm.destroy_distributed()
+            # NOTE: on GPUs an interrupted step's NCCL kernels wait for the killed peers; synchronizing or
+            # destroying the communicators could block, so graphs and NCCL state are left to the process exit.
 
 
 def _stop_at_exit(runner: _Rank0Runner) -> None:

@@ -84,8 +84,7 @@ def _frames(r: httpx.Response) -> list:
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_server_n3_choices_and_stream_indices(app, llm, route):
     chat = route.endswith("chat/completions")
-    base = {"max_tokens": 8, "temperature": 1.0, "seed": 21, "ignore_eos": True, "n": 3,
-            "stream_options": {"include_usage": True}}
+    base = {"max_tokens": 8, "temperature": 1.0, "seed": 21, "ignore_eos": True, "n": 3}
     base.update({"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT})
     r = asyncio.run(_post(app, route, base))
     assert r.status_code == 200, r.text
@@ -102,7 +101,7 @@ def test_server_n3_choices_and_stream_indices(app, llm, route):
         offline = llm.generate({"prompt_token_ids": ids}, _sampled(3, seed=21))[0]
         assert [c.text for c in offline.outputs] == texts
 
-    chunks = _frames(asyncio.run(_post(app, route, {**base, "stream": True})))
+    chunks = _frames(asyncio.run(_post(app, route, {**base, "stream": True, "stream_options": {"include_usage": True}})))
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
     streamed, finish = ["", "", ""], [None, None, None]
     for ch in chunks[:-1]:

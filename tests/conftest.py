@@ -8,6 +8,9 @@ import torch
 torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(__file__))
+# LLM() adds a stderr handler to the "longflash" logger when nothing configured logging (as vLLM's LLM);
+# in the suite, records go to pytest's capture instead (caplog needs them to reach the root logger).
+os.environ.setdefault("LONGFLASH_CONFIGURE_LOGGING", "0")
 
 import tiny_models  # noqa: E402
 

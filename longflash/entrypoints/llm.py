@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import sys
 from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -17,6 +20,21 @@ from longflash.sampling_params import SamplingParams
 PromptType = str | dict | list[int]
 
 
+def _default_logging() -> None:
+    """Show longflash's INFO logs (the start-up report: load time, KV cache size) on stderr, as vLLM's
+    ``LLM`` does, when the program has not configured logging itself (no handler on the root logger
+    and none on ``longflash``). ``LONGFLASH_CONFIGURE_LOGGING=0`` turns this off."""
+    lg = logging.getLogger("longflash")
+    if os.environ.get("LONGFLASH_CONFIGURE_LOGGING", "1") == "0" or lg.handlers or logging.getLogger().handlers:
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    lg.addHandler(h)
+    if lg.level == logging.NOTSET:
+        lg.setLevel(logging.INFO)
+    lg.propagate = False  # a later logging.basicConfig() must not print every line twice
+
+
 class LLM:
     """``LLM(model=PATH, dtype=..., skip_tokenizer_init=False, **engine_args)``.
 
@@ -26,6 +44,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
+        _default_logging()
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -72,7 +72,7 @@ def parse_speculative_config(value: dict | str | None) -> dict | str | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+            raise ValueError(f"speculative_config (--speculative-config) is not valid JSON or 'off': {e}") from e
     if not isinstance(value, dict):
         raise ValueError("speculative_config must be a JSON object or 'off'")
     k = value.get("num_speculative_tokens")

@@ -70,8 +70,16 @@ def test_no_safetensors(broken):
 
 
 def test_missing_config(tmp_path):
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match="no config.json") as e:
         _load(tmp_path)
+    assert "Hugging Face Hub" not in str(e.value)   # the directory exists: no hub hint
+
+
+def test_a_hub_name_says_only_local_directories_load(tmp_path):
+    """``LLM("gpt2")`` (a hub id, no such directory): the error says checkpoints are loaded from local
+    directories and how to download one (found by a fresh user)."""
+    with pytest.raises(ModelLoadError, match="no directory 'gpt2'.*does not download from the Hugging Face Hub"):
+        _load("gpt2")
 
 
 def test_sharded_checkpoint_with_index_loads_and_missing_shard_is_named(broken):

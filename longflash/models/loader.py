@@ -28,7 +28,11 @@ def load_config(model_dir: str) -> dict:
     """Read ``config.json``. Raises ModelLoadError if missing or not JSON."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise ModelLoadError(f"no config.json in model directory {model_dir!r}")
+        hint = ""
+        if not os.path.isdir(model_dir):
+            hint = (f": there is no directory {model_dir!r}; longflash loads local checkpoint directories and does not "
+                    f"download from the Hugging Face Hub (download it first, e.g. `hf download ORG/NAME --local-dir DIR`)")
+        raise ModelLoadError(f"no config.json in model directory {model_dir!r}{hint}")
     try:
         with open(path) as f:
             return json.load(f)

@@ -33,14 +33,6 @@ from test_kimi_k3 import SMALL, _save_random  # noqa: E402
 EPS = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _rel(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 

@@ -127,6 +127,12 @@ def _check_counts(args) -> None:
         raise ValueError("--num-iters-warmup must be >= 0")
     if getattr(args, "num_iters", 1) < 1:
         raise ValueError("--num-iters must be >= 1")
+    rate = getattr(args, "request_rate", float("inf"))
+    if not rate > 0:  # also NaN
+        raise ValueError(f"--request-rate must be > 0 requests/s (inf: all at once), got {rate}")
+    mc = getattr(args, "max_concurrency", None)
+    if mc is not None and mc < 1:
+        raise ValueError(f"--max-concurrency must be >= 1 (leave it out for no limit), got {mc}")
 
 
 def _warm_up(engine, args, batch_size: int) -> None:

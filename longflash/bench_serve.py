@@ -40,7 +40,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--server-start-timeout-s", type=float, default=900.0,
-                   help="seconds to wait for the started server's /health")
+                   help="seconds to wait for the started server's /health (a --base-url server: 10 s at most)")
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -138,7 +138,7 @@ def _start_server(args, port: int, log_path: str) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
 
-def _wait_healthy(proc, host: str, port: int, timeout: float, log_path: str) -> None:
+def _wait_healthy(proc, host: str, port: int, timeout: float, log_path: str, base_url: str | None = None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -151,7 +151,8 @@ def _wait_healthy(proc, host: str, port: int, timeout: float, log_path: str) -> 
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"the server did not answer /health within {timeout:.0f} s")
+    where = f" at {base_url}" if base_url else ""
+    raise RuntimeError(f"the server{where} did not answer /health within {timeout:.0f} s")
 
 
 def _roofline_estimate(args, m: dict, spec: dict | None, peak_gbs: float) -> dict | None:
@@ -209,8 +210,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_path = os.path.join(tempfile.mkdtemp(prefix="longflash-bench-serve-"), "server.log")
         proc = _start_server(args, port, log_path)
         print(f"started `longflash serve` (pid {proc.pid}) on port {port}; log {log_path}", flush=True)
+    if proc is None:
+        print(f"benchmarking the server at {args.base_url}", flush=True)
+        try:  # a running server answers at once or is not there: no start-up to wait for
+            _wait_healthy(None, host, port, min(10.0, args.server_start_timeout_s), log_path, args.base_url)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     try:
-        _wait_healthy(proc, host, port, args.server_start_timeout_s, log_path)
+        if proc is not None:
+            _wait_healthy(proc, host, port, args.server_start_timeout_s, log_path)
         model = json.loads(_get(host, port, "/v1/models")[1])["data"][0]["id"]
         # warm-up: one short request (first-use compilation stays out of the numbers)
         _stream_completion(host, port, model, prompts[0], 4, RequestTiming(0.0), timeout=600)

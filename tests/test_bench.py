@@ -115,3 +115,13 @@ def test_mean_of_iters_pools_acceptance():
     assert m["output_throughput"] == 20.0 and m["mean_tpot_ms"] == 3.0
     assert m["mean_acceptance_length"] == pytest.approx(1 + 100 / 40) and "model" not in m
     assert [i["mean_tpot_ms"] for i in m["iters"]] == [2.0, 4.0]
+
+
+@pytest.mark.parametrize("flags,message", [(("--request-rate", "-1"), "--request-rate must be > 0"),
+                                           (("--max-concurrency", "0"), "--max-concurrency must be >= 1")])
+def test_bench_serve_bad_rates_are_refused_before_the_server_starts(flags, message):
+    """Found by a fresh user: --request-rate -1 started the server and then failed with Python's
+    "sleep length must be non-negative"; --max-concurrency 0 silently meant no limit."""
+    r = _cli("serve", "--num-prompts", "2", *flags)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert "started `longflash serve`" not in r.stdout

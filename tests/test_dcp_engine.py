@@ -162,6 +162,11 @@ def test_llm_shutdown_then_generate_says_the_engine_was_shut_down(tiny_model):
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    one = LLM(tiny_model("dsv3-qlora-interleave-yarn"), block_size=4, num_gpu_blocks=128, skip_tokenizer_init=True,
+              speculative_config="off")
+    one.shutdown()   # one process: the same contract
+    with pytest.raises(RuntimeError, match="shut down"):
+        one.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
 
 
 def test_llm_unknown_engine_argument_names_it():

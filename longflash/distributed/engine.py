@@ -80,7 +80,7 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
         runner.serve_forever()
         runner.release_graphs()
     except BaseException:
-        logger.exception("DCP worker rank %d failed", rank)
+        logger.exception("TP/DCP worker rank %d failed", rank)
         sys.exit(1)
     comm.destroy_distributed()
 
@@ -107,7 +107,7 @@ class _Rank0Runner(DCPModelRunner):
         or timed-out collective in the next step.)"""
         for r, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
-                raise RuntimeError(f"DCP worker rank {r} exited (code {p.exitcode}); the engine cannot continue")
+                raise RuntimeError(f"TP/DCP worker rank {r} exited (code {p.exitcode}); the engine cannot continue")
 
     def prepare(self, sched):
         self.check_workers()

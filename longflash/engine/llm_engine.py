@@ -400,11 +400,11 @@ class LLMEngine:
             self.runner.check_workers()
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a multi-process engine (no-op for one process). Idempotent; a
-        multi-process engine then refuses new requests (RuntimeError)."""
+        """Stop the worker processes of a multi-process engine. Idempotent; the engine then refuses new
+        requests (RuntimeError), with one process or several."""
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
-            self._shut_down = True
+        self._shut_down = True
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -455,7 +455,7 @@ class LLMEngine:
         after :meth:`shutdown` of a multi-process engine.
         """
         if getattr(self, "_shut_down", False):
-            raise RuntimeError("this engine was shut down (its worker processes are stopped); create a new one")
+            raise RuntimeError("this engine was shut down; create a new one")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs {self.config.max_logprobs} (an engine "
                              f"argument; `longflash serve --max-logprobs`)")

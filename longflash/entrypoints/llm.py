@@ -57,8 +57,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model or default_model_path(), **kwargs))
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes (a ``tensor_parallel_size`` > 1 engine; a no-op for one
-        process). Later calls to ``generate``/``chat`` raise RuntimeError. Also done at interpreter exit."""
+        """Stop the engine: its worker processes (a ``tensor_parallel_size`` > 1 engine; also done at
+        interpreter exit). Later calls to ``generate``/``chat`` raise RuntimeError."""
         self.engine.shutdown()
 
     def get_tokenizer(self):

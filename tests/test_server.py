@@ -325,6 +325,14 @@ BAD_INPUTS = [
      "response_format": {"type": "json_object"}}, None, 400, "response_format", "unsupported_field"),
     ("tools_unsupported", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
      "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400, "tools", "unsupported_field"),
+    ("prompt_logprobs_unsupported", "/v1/completions", {**OK_COMPLETION, "prompt_logprobs": 1}, None, 400,
+     "prompt_logprobs", "unsupported_field"),
+    ("continue_with_generation_prompt", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, None, 400,
+     "continue_final_message", "invalid_value"),
+    ("chat_template_error", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1/0 }}"}, None, 400,
+     None, None),
     ("batch_too_large", "/v1/completions", {**OK_COMPLETION, "prompt": ["a", "b", "c"], "n": 50}, None, 400,
      "prompt", "invalid_value"),
     ("batch_one_bad_prompt", "/v1/completions", {**OK_COMPLETION, "prompt": [[1, 2], [10**6]]}, None, 400,
@@ -544,3 +552,21 @@ def test_spec_decode_metrics_with_a_drafter(model_dir, tmp_path):
         assert all(per_pos[i] >= per_pos[i + 1] for i in range(NUM_SPEC - 1))
         # Tokens: 1 from prefill, then each verify commits accepted + 1.
         assert accepted + drafts + 1 >= 24 - NUM_SPEC
+
+
+def test_continue_final_message_and_chat_template(server):
+    """vLLM's chat extras (a fresh user found them silently ignored): ``continue_final_message`` leaves
+    the assistant turn open (fewer prompt tokens: no end-of-turn), a request ``chat_template`` replaces
+    the tokenizer's."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    base = {"model": MODEL, "messages": msgs, "max_tokens": 1, "temperature": 0, "add_generation_prompt": False}
+
+    def prompt_tokens(**kw) -> int:
+        r = httpx.post(server.url + "/v1/chat/completions", json={**base, **kw}, headers=_headers(), timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    closed, open_ = prompt_tokens(), prompt_tokens(continue_final_message=True)
+    assert open_ < closed
+    bare = prompt_tokens(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert bare < open_   # "hiHel" alone: no role markers
+

@@ -564,7 +564,15 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             raise ApiError(400, f"top_logprobs must be in [0, {srv.max_logprobs}], got {top_n}",
                            param="top_logprobs", code="invalid_value")
         params = srv.sampling_params(req, max_tokens, top_n if req.logprobs else None)
-        messages, agp, kwargs = req.messages, req.add_generation_prompt, req.chat_template_kwargs
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ApiError(400, "continue_final_message needs add_generation_prompt set to false",
+                           param="continue_final_message", code="invalid_value")
+        messages, agp = req.messages, req.add_generation_prompt
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if req.chat_template is not None:
+            kwargs["chat_template"] = req.chat_template
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs), params,
                                 max_tokens is None)

@@ -60,6 +60,7 @@ class _SamplingRequest(_Strict):
                 "tools": bool(data.get("tools")),
                 "functions": bool(data.get("functions")),
                 "suffix": bool(data.get("suffix")),
+                "prompt_logprobs": data.get("prompt_logprobs") is not None,
             }
             for name, bad in unsupported.items():
                 if bad:
@@ -92,6 +93,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's extras: leave the last (assistant) message open for the model to continue; a Jinja chat
+    # template replacing the tokenizer's (rendered by transformers' sandboxed environment)
+    continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -101,3 +101,15 @@ def test_logit_bias_offline_with_and_without_dflash():
     for bad, match in (({-1: 1.0}, "keys"), ({3: 101}, "values"), ({3: float("nan")}, "values"), ([1], "dict")):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_prompt_tokens_are_counted_once_prefilled(llm):
+    """``vllm:prompt_tokens`` counts a request's prompt when its prefill is done (as vLLM): one aborted
+    while waiting adds nothing (found by a fresh user: 88,072 counted against 70,226 prefix-cache queries)."""
+    e = llm.engine
+    before = e.stats.prompt_tokens
+    rid = e.add_request(None, {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=1))
+    e.abort_request(rid)
+    assert e.stats.prompt_tokens == before
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=2))
+    assert e.stats.prompt_tokens == before + 4

@@ -492,7 +492,6 @@ class LLMEngine:
             seq.generator = None
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-        self.stats.prompt_tokens += len(ids)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -719,6 +718,8 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
             self.stats.ttft.append(now - m.arrival_time)
+            # counted once its prefill is done (as vLLM): a request aborted while waiting adds nothing
+            self.stats.prompt_tokens += seq.num_prompt_tokens
         elif now != m.last_token_time:
             self.stats.itl.append(now - m.last_token_time)
         m.last_token_time = now

@@ -18,3 +18,11 @@ def test_generate_subprocess_unknown_flag():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "unrecognized arguments: --bogus-flag" in r.stderr
+
+
+def test_bad_memory_size_names_the_format():
+    """Found by a fresh user: argparse said "invalid parse_bytes value: 'lots'"."""
+    r = subprocess.run([sys.executable, "-m", "longflash.entrypoints.cli", "generate", "--prompt", "x",
+                        "--kv-cache-memory", "lots"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--kv-cache-memory: cannot parse memory size 'lots'; use bytes or e.g. 2GiB" in r.stderr, r.stderr

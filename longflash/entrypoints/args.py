@@ -7,6 +7,15 @@ import argparse
 from longflash.config import EngineConfig, parse_bytes, parse_speculative_config
 
 
+def _memory_size(value: str) -> int:
+    """argparse type of a byte count: ``parse_bytes`` with its own message (argparse would say
+    "invalid parse_bytes value")."""
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
         p.add_argument("model_tag", nargs="?", default=None, help="model directory (default: the embedded model)")
@@ -19,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=int, default=64, help="maximum running requests")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+    p.add_argument("--kv-cache-memory", type=_memory_size, default=None,
                    help="KV cache budget: bytes or e.g. 2GiB (default: 1GiB on CPU, 90%% of free GPU memory)")
     p.add_argument("--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3"])

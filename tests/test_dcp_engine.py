@@ -200,8 +200,9 @@ def test_ctrl_c_in_the_middle_of_a_step_exits_promptly(tmp_path):
         group = subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split()
         os.killpg(p.pid, signal.SIGINT)
         t0 = time.monotonic()
-        p.communicate(timeout=60)
+        out, _ = p.communicate(timeout=60)
         assert time.monotonic() - t0 < 8
+        assert "leaked semaphore" not in out, out[-2000:]   # the killed worker held none
         time.sleep(0.5)
         alive = [x for x in group if os.path.exists(f"/proc/{x}") and open(f"/proc/{x}/stat").read().split()[2] != "Z"]
         assert not alive, alive

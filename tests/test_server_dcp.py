@@ -83,6 +83,7 @@ def test_serve_tp2_dcp2_matches_single_process_then_dies_with_a_worker(tmp_path)
             pytest.fail(f"server still running 60 s after its worker died:\n{srv.log()[-3000:]}")
         assert srv.proc.returncode == 1, srv.log()[-3000:]
         assert "DCP worker rank 1 exited" in srv.log()
+        assert "leaked semaphore" not in srv.log()   # the killed worker held none (a disabled tqdm made one)
         print(f"server exited {time.time() - t0:.1f} s after the worker was killed")
         reader.join(30)
         # the stream's client is told which rank died (it used to get gloo's "Connection reset by peer")

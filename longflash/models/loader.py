@@ -61,12 +61,27 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, enabled: bool):
+    """A "Loading weights" tqdm bar, or a no-op without ``enabled``: even a disabled tqdm creates
+    tqdm's multiprocessing lock, a named semaphore that a TP worker killed with SIGKILL leaves behind
+    ("resource_tracker: ... leaked semaphore objects")."""
+    return tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) if enabled else _NoBar()
+
+
 def iterate_tensors(files: list[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     names = []
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             names.extend((path, k) for k in f.keys())
-    bar = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = _progress_bar(len(names), progress)
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
@@ -98,7 +113,7 @@ def iterate_lazy_tensors(files: list[str], progress: bool = True) -> Iterator[tu
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             n += len(f.keys())
-    bar = tqdm(total=n, desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = _progress_bar(n, progress)
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():

@@ -27,6 +27,12 @@ from longflash.runner.context import get_forward_context
 from longflash.runner.step_inputs import to_device_async
 
 
+def _parallel_of(ctx):
+    """The parallel state of the runner that built ``ctx`` (``ForwardContext.parallel``: its DCP group),
+    else the process-wide one (runner-less callers)."""
+    return ctx.parallel if ctx.parallel is not None else get_parallel_state()
+
+
 class MLAAttention(nn.Module):
     """One MLA layer: projections, RoPE, cache write, attention, output projection.
 
@@ -139,7 +145,7 @@ class MLAAttention(nn.Module):
         an empty shard has weight exactly 0. All requests go in one call (one set of collectives).
         """
         qsl = ctx.query_start_loc_cpu
-        ps = ctx.parallel if ctx.parallel is not None else get_parallel_state()
+        ps = _parallel_of(ctx)
         if ps.dcp_size > 1:
             rows = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in reqs]).to(q_nope.device)
             q_lat = torch.einsum("thd,hdr->thr", q_nope[rows], w_uk)
@@ -182,7 +188,7 @@ class MLAAttention(nn.Module):
         position + 1 for what it sees) and the host bound ``dcp_padded_local_len(max_seq_len)``."""
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         q_abs = torch.cat([q_lat, q_pe], dim=-1)
-        ps = ctx.parallel if ctx.parallel is not None else get_parallel_state()
+        ps = _parallel_of(ctx)
         op = decode_op(self.kv_cache)
         if ps.dcp_size == 1:
             o_lat, _ = op(q_abs, self.kv_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens, self.scale,
@@ -222,7 +228,7 @@ class MLAAttention(nn.Module):
             k, v = self._up_project(kv_c[s:e], k_pe[s:e])
             run_out[b], run_lse[b] = kernels.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=0)
         ctx_lens = [ctx.context_lens_cpu[b] for b in reqs]
-        ps = ctx.parallel if ctx.parallel is not None else get_parallel_state()
+        ps = _parallel_of(ctx)
         bs = self.kv_cache.shape[1]
         sharded = ps.dcp_size > 1 and sum(ctx_lens) > 0
         if sharded:

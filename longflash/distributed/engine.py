@@ -17,6 +17,7 @@ into a worker that exits when rank 0 shuts down (see ``docs/dcp.md``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -117,25 +118,25 @@ class _Rank0Runner(DCPModelRunner):
     # KeyboardInterrupt is not an Exception) leaves the workers inside collectives rank 0 will not join.
     _step_open = False
 
-    def execute(self, sched, all_logits: bool = False, tapper=None, proposer=None):
+    @contextlib.contextmanager
+    def _step(self):
+        """Around a step's collectives: a failure names a dead worker; an interruption (not an
+        Exception) leaves ``_step_open`` set for :meth:`shutdown`."""
         self._step_open = True
         try:
-            out = super().execute(sched, all_logits, tapper, proposer)
+            yield
         except Exception as e:
             self._name_dead_worker(e)
             raise
         self._step_open = False
-        return out
+
+    def execute(self, sched, all_logits: bool = False, tapper=None, proposer=None):
+        with self._step():
+            return super().execute(sched, all_logits, tapper, proposer)
 
     def propose(self, proposer, requests):
-        self._step_open = True
-        try:
-            out = super().propose(proposer, requests)
-        except Exception as e:
-            self._name_dead_worker(e)
-            raise
-        self._step_open = False
-        return out
+        with self._step():
+            return super().propose(proposer, requests)
 
     def _name_dead_worker(self, error: Exception, wait_s: float = 2.0) -> None:
         """A step failed (typically a collective: "Connection closed by peer"): if a local worker

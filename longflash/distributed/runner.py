@@ -7,7 +7,7 @@ run :meth:`DCPModelRunner.serve_forever`. Every rank holds its tensor-parallel s
 the same logit rows as rank 0) and its own KV shard: logical blocks cover
 ``block_size * dcp_size`` tokens (rank 0's block manager uses that as ``tokens_per_block``) and each
 rank stores its positions in its physical block of the same id (``dcp.dcp_slot_mapping``). MLA layers
-read the DCP group from ``comm.get_parallel_state()``.
+read the DCP group from the forward context (``ForwardContext.parallel``, this runner's state).
 
 Uniform decode and verify steps (every request decodes its pending token and the same number of drafts)
 run on persistent inputs and, on GPUs, from CUDA graphs on every rank: rank 0 posts

@@ -58,9 +58,10 @@ class LocalLink:
         Returns False (and publishes the length -1) when ``data`` is longer than the buffer: the caller
         then sends it on the general path. ``check(worker)`` is called every ``POLL_S`` of waiting (it
         raises when that worker is gone). A worker that is alive but still busy with an earlier step is
-        waited for: rank 0 runs up to one message ahead of its workers, and at start-up a worker can lag
-        it by minutes (an fp32 3.3B model at -tp 4: loading and first-use kernel compiles on every rank,
-        while rank 0 waits on no collective), so a fixed deadline here failed working engines. Every
+        waited for: rank 0 runs up to one message ahead of its workers, and a worker's step can take long
+        where rank 0 waits on no collective (first-use kernel compiles; at start-up, before
+        ``comm.wait_until_ready`` existed, its whole weight loading: a fixed 120 s deadline here failed a
+        working fp32 3.3B -tp 4 engine). Every
         ``warn_after_s`` seconds of waiting logs a warning naming the worker (a worker stuck in a
         collective dies at the collective's own timeout, and ``check`` then raises). ``deadline_s``
         (the stop message at shutdown): raise TimeoutError naming the worker after that many seconds."""

@@ -451,8 +451,8 @@ class LLMEngine:
                     arrival_time: float | None = None) -> str:
         """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids": [...]}``.
 
-        Returns the request id. Raises ValueError (nothing is queued) for invalid input, RuntimeError
-        after :meth:`shutdown` of a multi-process engine.
+        Returns the request id. Raises ValueError (nothing is queued) for invalid input (also logprobs
+        above ``max_logprobs``), RuntimeError after :meth:`shutdown`.
         """
         if getattr(self, "_shut_down", False):
             raise RuntimeError("this engine was shut down; create a new one")

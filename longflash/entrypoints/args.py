@@ -52,6 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="rendezvous port of a multi-process run (default: a free port; torchrun's MASTER_PORT wins)")
     p.add_argument("--distributed-timeout-s", type=float, default=60.0,
                    help="seconds a collective waits for a peer before the engine fails")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / top_logprobs a request may ask for (vLLM's default 20)")
     p.add_argument("--dflash-mxfp8-input", action="store_true",
                    help="feed the DFlash drafter an MXFP8-quantized tap input (staged for large forwards)")
     p.add_argument("--dflash-staged-threshold", type=int, default=512,
@@ -88,4 +90,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_config=getattr(args, "speculative_config", None),
         dflash_mxfp8_input=getattr(args, "dflash_mxfp8_input", False),
         dflash_staged_threshold=getattr(args, "dflash_staged_threshold", 512),
-        max_logprobs=getattr(args, "max_logprobs", 20))
+        max_logprobs=args.max_logprobs)

@@ -16,6 +16,22 @@ from __future__ import annotations
 import torch
 
 
+def check_rows(rows, what: str, needed_by: str) -> tuple[int, int]:
+    """(T, H) of a mixer's row list (sources or committed bank slots): non-empty, each [T, H] with the
+    same shape, dtype and device. Raises ValueError naming ``what`` ("source", "committed row") and the
+    index at fault; ``needed_by`` names the caller in the empty-list message."""
+    if len(rows) == 0:
+        raise ValueError(f"{needed_by} needs at least one {what}")
+    x0 = rows[0]
+    if x0.dim() != 2:
+        raise ValueError(f"{what}s must be [T, H], got {tuple(x0.shape)}")
+    for i, x in enumerate(rows):
+        if x.shape != x0.shape or x.dtype != x0.dtype or x.device != x0.device:
+            raise ValueError(f"{what} {i} is {tuple(x.shape)} {x.dtype} on {x.device}; {what} 0 is "
+                             f"{tuple(x0.shape)} {x0.dtype} on {x0.device}")
+    return tuple(x0.shape)
+
+
 def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
                  eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Mix S source rows per token (arguments and result as :func:`attn_res_mix_reference`).

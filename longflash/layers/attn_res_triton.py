@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longflash.layers.attn_res import check_rows
+
 
 @triton.jit
 def mix_sources_online(src_ptrs, src_strides, q, r64, cols, mask, H, eps, S: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -99,16 +101,9 @@ def attn_res_mix_triton(sources: list[torch.Tensor], norm_weight: torch.Tensor, 
         ValueError naming the argument on an empty source list, mismatched shapes/dtypes/devices,
         weights without H elements, an ``out`` of the wrong shape/dtype/device, or a strided last dim.
     """
-    if not sources:
-        raise ValueError("attn_res_mix needs at least one source")
+    T, H = check_rows(sources, "source", "attn_res_mix")
     x0 = sources[0]
-    if x0.dim() != 2:
-        raise ValueError(f"sources must be [T, H], got {tuple(x0.shape)}")
-    T, H = x0.shape
     for i, s in enumerate(sources):
-        if s.shape != x0.shape or s.dtype != x0.dtype or s.device != x0.device:
-            raise ValueError(f"source {i} is {tuple(s.shape)} {s.dtype} on {s.device}; source 0 is "
-                             f"{tuple(x0.shape)} {x0.dtype} on {x0.device}")
         if s.stride(-1) != 1 and H > 1:
             raise ValueError(f"source {i} has element stride {s.stride(-1)}; the kernel needs contiguous rows")
     g, w = norm_weight.reshape(-1), proj_weight.reshape(-1)

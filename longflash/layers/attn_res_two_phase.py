@@ -35,6 +35,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from longflash.layers.attn_res import check_rows
+
 
 class AttnResPartials(NamedTuple):
     """Phase-1 result of Q queries over C committed rows (or, after :meth:`query`, of one query).
@@ -62,16 +64,8 @@ class AttnResPartials(NamedTuple):
 def _check_block_args(committed: Sequence[torch.Tensor], norm_weights: torch.Tensor,
                       proj_weights: torch.Tensor) -> tuple[int, int, int]:
     """(T, H, Q) after validating phase-1 arguments; ValueError naming the problem."""
-    if len(committed) == 0:
-        raise ValueError("attn_res_block_partials needs at least one committed row (bank slot)")
+    T, H = check_rows(committed, "committed row", "attn_res_block_partials")
     x0 = committed[0]
-    if x0.dim() != 2:
-        raise ValueError(f"committed rows must be [T, H], got {tuple(x0.shape)}")
-    T, H = x0.shape
-    for j, x in enumerate(committed):
-        if x.shape != x0.shape or x.dtype != x0.dtype or x.device != x0.device:
-            raise ValueError(f"committed row {j} is {tuple(x.shape)} {x.dtype} on {x.device}; row 0 is "
-                             f"{tuple(x0.shape)} {x0.dtype} on {x0.device}")
     if norm_weights.dim() != 2 or norm_weights.shape[1] != H:
         raise ValueError(f"norm_weights must be [Q, H={H}], got {tuple(norm_weights.shape)}")
     Q = norm_weights.shape[0]

@@ -132,8 +132,7 @@ class _Server:
     """The routes' shared state."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], model_path: str,
-                 metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, max_logprobs: int,
-                 speculative_config: dict | None):
+                 metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, speculative_config: dict | None):
         self.ae = async_engine
         self.engine = async_engine.engine
         self.names = served_model_names
@@ -141,7 +140,7 @@ class _Server:
         self.metrics = metrics
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.max_logprobs = max_logprobs
+        self.max_logprobs = self.engine.config.max_logprobs  # the engine argument (--max-logprobs)
         self.speculative_config = speculative_config
         self.created = int(time.time())
         gc = self.engine.generation_config
@@ -375,11 +374,10 @@ def _held_back(params: SamplingParams) -> int:
 
 
 def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_path: str, metrics: ServerMetrics,
-              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_logprobs: int = 20,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               speculative_config: dict | None = None) -> FastAPI:
     """The FastAPI app. Starts ``async_engine`` on start-up and stops it on shutdown."""
-    srv = _Server(async_engine, served_model_names, model_path, metrics, api_key, max_body_bytes, max_logprobs,
-                  speculative_config)
+    srv = _Server(async_engine, served_model_names, model_path, metrics, api_key, max_body_bytes, speculative_config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

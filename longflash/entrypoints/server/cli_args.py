@@ -34,7 +34,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default: the model argument)")
     p.add_argument("--max-request-body-bytes", type=_positive_bytes, default=32 << 20,
                    help="largest accepted request body, bytes or e.g. 32MiB (larger: 413)")
-    p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs accepted")
     p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each finished request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -106,7 +105,7 @@ def run_server(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine, metrics, log_requests=not args.disable_log_requests, on_dead=on_dead)
     metrics.update(engine)
     app = build_app(async_engine, names, config.model, metrics, api_key=args.api_key,
-                    max_body_bytes=args.max_request_body_bytes, max_logprobs=args.max_logprobs,
+                    max_body_bytes=args.max_request_body_bytes,
                     speculative_config=spec)
     logger.info("serving %s as %s on http://%s:%d", config.model, ", ".join(names), args.host, args.port)
     class _Uvicorn(uvicorn.Server):

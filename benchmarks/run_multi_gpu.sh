@@ -49,9 +49,14 @@
 #      dcp_nccl_gpu_tests   tests/test_dcp_nccl_gpu.py (2 GPUs)                                  90       130
 #      multi_gpu_dsv3_fp8_x2  DSV3 fp8 + chunked at tp2/dcp2 (the run that found the fp32-query  200       240
 #                           kernel bug at stop 18)
+# x2c  (2 GPUs: x4e's runs while no 4-GPU kind is lent)                                   
+#      nccl_smoke_x2c       default model tp2/dcp2 vs one GPU; DFlash tp2/dcp2; killed worker   110       130
+#      dcp_nccl_gpu_tests   tests/test_dcp_nccl_gpu.py                                           90       130
+#      multi_gpu_dsv3_fp8_x2  as in x4e                                                         200       240
+#      attn_res_two_phase   benchmarks/attn_res_two_phase.py + its GPU tests (one GPU, #10)       90       120
 # Done at 6ec782b (results/multi_gpu_x4): x4a, x4b, x4c. Left: x4d, then x4e (x2a / x2b run on 4 GPUs too).
 set -u
-CALL=${CALL:?set CALL to x2a, x2b, x4a, x4b, x4c, x4d or x4e}
+CALL=${CALL:?set CALL to x2a, x2b, x2c, x4a, x4b, x4c, x4d or x4e}
 BUDGET_S=${BUDGET_S:-555}; T0=${T0:-$(date +%s)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -109,7 +114,14 @@ case $CALL in
     run dcp_nccl_gpu_tests 130 $PYTEST tests/test_dcp_nccl_gpu.py
     run multi_gpu_dsv3_fp8_x2 240 $MG --out "$R/multi_gpu_dsv3_fp8_x2" --world 2 --dcps 2 --sections dsv3 \
       --dsv3-kinds fp8 --budget-s 220 ;;
-  *) echo "unknown CALL=$CALL (x2a, x2b, x4a .. x4e)"; exit 2 ;;
+  x2c)
+    run nccl_smoke_x2c 130 $SMOKE --out "$R/nccl_smoke_x2c" --configs 2x2 --budget-s 110
+    run dcp_nccl_gpu_tests 130 $PYTEST tests/test_dcp_nccl_gpu.py
+    run multi_gpu_dsv3_fp8_x2 240 $MG --out "$R/multi_gpu_dsv3_fp8_x2" --world 2 --dcps 2 --sections dsv3 \
+      --dsv3-kinds fp8 --budget-s 220
+    run attn_res_two_phase 80 python3 benchmarks/attn_res_two_phase.py --out "$R"
+    run attn_res_two_phase_tests 40 $PYTEST tests/test_attn_res_two_phase.py -k gpu ;;
+  *) echo "unknown CALL=$CALL (x2a, x2b, x2c, x4a .. x4e)"; exit 2 ;;
 esac
 cp "$R"/device.txt "$OUT/" 2>/dev/null
 rm -rf "$R"; ls -la "$OUT"

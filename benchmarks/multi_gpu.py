@@ -25,7 +25,7 @@ skipped with the reason, its engines' start-up numbers and seconds); "tpN/dcpD" 
      tokens of 3 prompts identical (the issue's criterion; row-parallel sums change only the order of
      fp32 additions). A divergence is reported with both engines' top-1/top-2 logit margin there.
    ``--dsv3-kinds`` picks which of the three comparisons below run (to split them over device calls).
-   - fp8 KV cache + chunked-context prefill (fp32 model, at the largest D only): ``context_workspace_rows``
+   - fp8 KV cache + chunked-context prefill (fp32 model, at each D): ``context_workspace_rows``
      256 and ``max_num_batched_tokens`` 256 against 1000-1200-token prompts, so the later prefill chunks
      read their cached (fp8) context in up to 4 workspace chunks (tiny: 32/64 rows and 200-300 tokens).
 2. ``default_fp8_chunked``: the same fp8 + chunked-context comparison on the default model at each
@@ -38,7 +38,15 @@ skipped with the reason, its engines' start-up numbers and seconds); "tpN/dcpD" 
    <= 0.01 E (TP moves the fp8 logits by < 1 % of what fp8 does: a wrong shard, scale or merge moves
    them by about E or more), and the 128 greedy tokens of 3 prompts are identical or first differ at
    a near-tie: the one-GPU engine's top-1/top-2 margin there <= 2 x 0.01 E (two logits that may each
-   move by 0.01 E can swap only within 2 x 0.01 E). Measured on the CPU (gloo, fp32, tp2/dcp2): the
+   move by 0.01 E can swap only within 2 x 0.01 E). On the random 3.3B DSV3 model that bound is not a
+   correctness bound: its logits are chaotic (bf16 alone moves them by ~1.3 of max |logit| 5.2), and at
+   tp2/dcp2 the fp8 logits moved by 0.32 E (E = 1.80) while the fp32 ones moved by 2.8e-6 relative: the
+   few latents that TP's summation order flips to the neighbouring fp8 value are amplified as much as any
+   rounding is. So in ``dsv3`` the bound is the issue's "within bf16 tolerance": max(0.01 E, B) with B the
+   one-GPU bf16 engine's max |logit - fp32-cache logit| on the same fp8 prompt and chunks (measured in
+   the run; the bf16 engine runs whenever fp8 does), and near-ties are margins <= 2 x that bound; whether
+   the tight 0.01 E bound also held is recorded (``within_tight_bound``). ``default_fp8_chunked`` keeps
+   0.01 E. Measured on the CPU (gloo, fp32, tp2/dcp2): the
    TP difference is 2.6e-6 (E = 1.05-1.22) on the tiny DSV3 model; on the default model 1.0e-3 with
    E = 4.78 (2.2e-4 E) for a 600-token prompt through a 64-row workspace, 3.0e-5 with E = 2.74 through
    a 32-row one, 1.6e-5 with E = 2.19 in the --tiny run (300 tokens, 32 rows); the first is above
@@ -350,17 +358,24 @@ def fp32_check(b: Bench, name: str, got: dict, ref: dict) -> None:
     b.check(name, lg["rel_diff"] <= FP32_REL_TOL and gr["identical"], logits=lg, greedy=gr)
 
 
-def fp8_check(b: Bench, name: str, got: dict, ref: dict, ref_fp32_cache: torch.Tensor) -> None:
-    """The fp8 criterion of the module docstring."""
+def fp8_check(b: Bench, name: str, got: dict, ref: dict, ref_fp32_cache: torch.Tensor,
+              ref_bf16: torch.Tensor | None = None) -> None:
+    """The fp8 criterion of the module docstring. ``ref_bf16``: the one-GPU bf16 engine's logits of the
+    same prompt (bf16 cache, same chunks), whose error vs ``ref_fp32_cache`` is the model's bf16
+    tolerance; without it the bound is 0.01 E."""
     fp8_err = float((ref["logits"]["fp8"] - ref_fp32_cache).abs().max())
-    bound = FP8_REL_TO_FP8_ERR * fp8_err
+    tight = FP8_REL_TO_FP8_ERR * fp8_err
+    bf16_tol = float((ref_bf16 - ref_fp32_cache).abs().max()) if ref_bf16 is not None else None
+    bound = tight if bf16_tol is None else max(tight, bf16_tol)
     lg = cmp_logits(got["logits"]["fp8"], ref["logits"]["fp8"])
     gr = cmp_greedy(got["greedy"], ref["greedy"])
     near_ties = all(d["ref_margin"] <= 2 * bound for d in gr["at_divergence"])
+    top1_fp8_vs_fp32_cache = cmp_logits(ref["logits"]["fp8"], ref_fp32_cache)["top1_agreement"]
     b.check(name, lg["max_abs_diff"] <= bound and near_ties, fp8_err_one_gpu=fp8_err,
             fp8_err_tp=float((got["logits"]["fp8"] - ref_fp32_cache).abs().max()), logit_bound=bound,
+            bf16_tolerance_one_gpu=bf16_tol, within_tight_bound=lg["max_abs_diff"] <= tight,
             diff_over_fp8_err=lg["max_abs_diff"] / fp8_err if fp8_err else None, logits=lg, greedy=gr,
-            divergences_at_near_ties=near_ties)
+            top1_agreement_one_gpu_fp8_vs_fp32_cache=top1_fp8_vs_fp32_cache, divergences_at_near_ties=near_ties)
 
 
 def _fp8_settings(lens: tuple, sz: Sizes) -> dict:
@@ -408,8 +423,10 @@ def sec_dsv3(b: Bench) -> None:
     b.sec["fp8_settings"] = _fp8_settings(sz.fp8_lens, sz)
     # score-only engines skip CUDA graph capture (decode only; the prefill path is the same)
     kinds = b.args.dsv3_kinds
-    r16 = b.engine("tp1 bf16", "dsv3_bf16", path, 1, 1, "bfloat16", score, enforce_eager=True, **kw) \
-        if "bf16" in kinds else None
+    # the bf16 engine also scores the fp8 prompt (same chunks, bf16 cache): the fp8 check's bf16 tolerance
+    r16 = b.engine("tp1 bf16", "dsv3_bf16", path, 1, 1, "bfloat16",
+                   dict(score, fp8=(fp8_prompts[0], sz.batched)) if "fp8" in kinds else score,
+                   enforce_eager=True, **kw) if "bf16" in kinds or "fp8" in kinds else None
     r32 = b.engine("tp1 fp32", "dsv3_fp32", path, 1, 1, "float32",
                    dict(score, fp8_fp32cache=(fp8_prompts[0], sz.batched)), prompts, sz.tokens, **kw)
     r8 = b.engine("tp1 fp32 fp8-cache chunked", "dsv3_fp8", path, 1, 1, "float32",
@@ -417,16 +434,17 @@ def sec_dsv3(b: Bench) -> None:
     # A TP engine runs only when the references it is compared with exist. The largest dcp first
     # (nccl_smoke runs the default model at dcp 1 too): if the budget runs out, dcp 1 is what is skipped.
     for dcp in sorted(b.dcps, reverse=True):
-        if r16 and r32 and (g := b.engine(f"tp{n} dcp{dcp} bf16", "tp_bf16", path, n, dcp, "bfloat16", score,
+        if "bf16" in kinds and r16 and r32 and (g := b.engine(f"tp{n} dcp{dcp} bf16", "tp_bf16", path, n, dcp, "bfloat16", score,
                                           enforce_eager=True, **kw)):
             bf16_check(b, f"tp{n}_dcp{dcp}_bf16", g, r16, r32)
         if r32 and "fp32" in kinds and (g := b.engine(f"tp{n} dcp{dcp} fp32", "tp_fp32", path, n, dcp, "float32", score, prompts,
                                   sz.tokens, **kw)):
             fp32_check(b, f"tp{n}_dcp{dcp}_fp32", g, r32)
-        if dcp == max(b.dcps) and r8 and r32 and (g := b.engine(
+        if r8 and r32 and (g := b.engine(
                 f"tp{n} dcp{dcp} fp32 fp8-cache chunked", "tp_fp8", path, n, dcp, "float32",
                 {"fp8": (fp8_prompts[0], sz.batched)}, fp8_prompts, sz.tokens, **f8kw)):
-            fp8_check(b, f"tp{n}_dcp{dcp}_fp8_chunked", g, r8, r32["logits"]["fp8_fp32cache"])
+            fp8_check(b, f"tp{n}_dcp{dcp}_fp8_chunked", g, r8, r32["logits"]["fp8_fp32cache"],
+                      r16["logits"]["fp8"] if r16 else None)
 
 
 def sec_default_fp8(b: Bench) -> None:
@@ -626,8 +644,8 @@ def report_md(res: dict) -> str:
              f"GPUs {res['gpu_names'] or '-'}; {res.get('seconds', 0)} s of a {res['budget_s']:.0f} s budget", "",
              f"Criteria: bf16 TP error vs fp32 <= {BF16_ERR_RATIO} x the one-GPU bf16 error; fp32 max |diff| <= "
              f"{FP32_REL_TOL:g} x max |logit| and greedy tokens identical; fp8 max |diff| <= {FP8_REL_TO_FP8_ERR} x "
-             "the one-GPU fp8 error E (fp8 vs fp32-cache logits), greedy identical or first differing where the "
-             f"one-GPU top-1/top-2 margin <= 2 x {FP8_REL_TO_FP8_ERR} E; passkey >= {PASSKEY_MIN:.0%}; capacity "
+             "the one-GPU fp8 error E (fp8 vs fp32-cache logits; dsv3: or the one-GPU bf16 tolerance, if larger), "
+             "greedy identical or first differing where the one-GPU top-1/top-2 margin <= 2 x that bound; passkey >= {PASSKEY_MIN:.0%}; capacity "
              "tokens x dcp at the same per-GPU bytes (module docstring).", "",
              "| section | ran | result | seconds | skipped units |", "|---|---|---|---|---|"]
     for name, s in res["sections"].items():

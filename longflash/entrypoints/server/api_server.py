@@ -197,7 +197,11 @@ class _Server:
             # Drop union-branch names (e.g. prompt.str) so that the param is the field path.
             param = ".".join(x for x in loc if x not in ("str", "int", "list[int]", "list[str]", "list[list[int]]",
                                                          "list[TextPart]", "TextPart"))
-            raise ApiError(400, f"invalid field {param!r}: {err['msg']}", param=param or None,
+            if err["type"] == "missing":  # OpenAI's wording and code for an absent required field
+                raise ApiError(400, f"missing required parameter {param!r}", param=param or None,
+                               code="missing_required_parameter") from None
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            raise ApiError(400, f"invalid field {param!r}: {msg}", param=param or None,
                            code="invalid_type" if "type" in err["type"] or "parsing" in err["type"]
                            else "invalid_value") from None
 

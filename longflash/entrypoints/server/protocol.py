@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -85,6 +85,19 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        """Name a content part this text-only server cannot take (e.g. ``image_url``), instead of
+        pydantic's union errors ("Input should be a valid string")."""
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported: the model takes text "
+                                     "only (parts of type 'text')")
+        return v
 
 
 class ChatCompletionRequest(_SamplingRequest):

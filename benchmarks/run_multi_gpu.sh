@@ -54,9 +54,12 @@
 #      dcp_nccl_gpu_tests   tests/test_dcp_nccl_gpu.py                                           90       130
 #      multi_gpu_dsv3_fp8_x2  as in x4e                                                         200       240
 #      attn_res_two_phase   benchmarks/attn_res_two_phase.py + its GPU tests (one GPU, #10)       90       120
+# x2d  multi_gpu_dsv3_fp8_x2d DSV3 fp8 + chunked at tp2/dcp2 and tp2/dcp1 with the one-GPU bf16     300       330
+#                           engine on the same prompt (the fp8 bound's bf16 tolerance, 90dd298)
+#      nccl_smoke_x2d       as x2c, budget for DFlash tp2/dcp2 and the killed worker             180       210
 # Done at 6ec782b (results/multi_gpu_x4): x4a, x4b, x4c. Left: x4d, then x4e (x2a / x2b run on 4 GPUs too).
 set -u
-CALL=${CALL:?set CALL to x2a, x2b, x2c, x4a, x4b, x4c, x4d or x4e}
+CALL=${CALL:?set CALL to x2a .. x2d or x4a .. x4e}
 BUDGET_S=${BUDGET_S:-555}; T0=${T0:-$(date +%s)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -121,7 +124,11 @@ case $CALL in
       --dsv3-kinds fp8 --budget-s 220
     run attn_res_two_phase 80 python3 benchmarks/attn_res_two_phase.py --out "$R"
     run attn_res_two_phase_tests 40 $PYTEST tests/test_attn_res_two_phase.py -k gpu ;;
-  *) echo "unknown CALL=$CALL (x2a, x2b, x2c, x4a .. x4e)"; exit 2 ;;
+  x2d)
+    run multi_gpu_dsv3_fp8_x2d 330 $MG --out "$R/multi_gpu_dsv3_fp8_x2d" --world 2 --dcps 2,1 --sections dsv3 \
+      --dsv3-kinds fp8 --budget-s 310
+    run nccl_smoke_x2d 210 $SMOKE --out "$R/nccl_smoke_x2d" --configs 2x2 --budget-s 190 ;;
+  *) echo "unknown CALL=$CALL (x2a .. x2d, x4a .. x4e)"; exit 2 ;;
 esac
 cp "$R"/device.txt "$OUT/" 2>/dev/null
 rm -rf "$R"; ls -la "$OUT"

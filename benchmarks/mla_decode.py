@@ -199,7 +199,7 @@ def measure(caches, ceil, dtype, B, L, ql, heads=H, bs=BS, cfg=None, S=None) -> 
     used = dict(tk.default_config(rows, cache.dtype), **(cfg or {}))
     groups = -(-rows // used["BLOCK_M"])
     splits = S or tk.choose_num_splits(B, groups, L, rows, R, W, W * cache.element_size(),
-                                       tk._sm_count(DEV) * used["occupancy"])
+                                       tk.sm_count(DEV) * used["occupancy"])
     return {"dtype": dtype, "B": B, "ctx": L, "q_len": ql, "heads": heads, "block_size": bs, "time_us": t * 1e6,
             "bytes": nbytes, "flops": flops, "GBps": nbytes / t / 1e9, "bw_frac": nbytes / t / ceil["copy_bw"],
             "roofline_frac": floor / t, "bound": "bytes" if nbytes / ceil["copy_bw"] >= flops / ceil["gemm_rate"]
@@ -257,7 +257,8 @@ def finish_check(c: dict) -> dict:
 def fmt_row(r: dict) -> str:
     c = r["config"]
     cfg = (f"M{c['BLOCK_M']} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}{' vr' if c.get('V_RELOAD') else ''}"
-           f"{' T' if c.get('TRANS') else ''}{' f16' if c.get('F16') else ''}{' pre' if c.get('PREFETCH') else ''}")
+           f"{' T' if c.get('TRANS') else ''}{' f16' if c.get('F16') else ''}{' pre' if c.get('PREFETCH') else ''}"
+           f"{' cvt' if c.get('CVT_SMEM') else ''}")
     return (f"| {r['dtype']} | {r['B']} | {r['ctx']} | {r['q_len']} | {r['heads']} | {r['block_size']} | "
             f"{r['time_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['GBps']:.0f} | {r['bw_frac']:.3f} | "
             f"{r['roofline_frac']:.3f} ({r['bound']}) | {r['splits']} | {cfg} |")

@@ -52,8 +52,9 @@ def stage1(fp8: bool, cfg: dict, split: bool = True, qdt: str = "bf16", has_vis:
     const = dict(R=R, P=P, BLOCK_R=triton.next_power_of_2(R), BLOCK_P=max(16, triton.next_power_of_2(P)),
                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=block_size, FP8=fp8, HW_FP8=True,
                  HAS_VIS=has_vis, SPLIT=split, DOT_IEEE=qdt == "fp32",
-                 V_RELOAD=bool(cfg["V_RELOAD"]) and not (f16 and cfg.get("PREFETCH")),
-                 TRANS=bool(cfg.get("TRANS")), F16=f16, PREFETCH=f16 and bool(cfg.get("PREFETCH")), INTERPRET=False)
+                 V_RELOAD=bool(cfg["V_RELOAD"]) and not (f16 and (cfg.get("PREFETCH") or cfg.get("CVT_SMEM"))),
+                 TRANS=bool(cfg.get("TRANS")), F16=f16, PREFETCH=f16 and bool(cfg.get("PREFETCH")),
+                 CVT_SMEM=f16 and not cfg.get("PREFETCH") and bool(cfg.get("CVT_SMEM")), INTERPRET=False)
     div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr", "H",
            "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
     return _compile(m._mla_decode_stage1, sig, const, div, cfg["num_warps"], cfg["num_stages"])
@@ -131,6 +132,7 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
     d = m.default_config(16, torch.bfloat16)
     t = dict(m.candidate_configs(16, torch.float8_e4m3fn)[3], TRANS=True, BLOCK_N=64)  # swap-AB, fp16, prefetch
+    cv = next(c for c in m.candidate_configs(16, torch.float8_e4m3fn) if c.get("CVT_SMEM"))  # version 3
     for name, fp8, cfg, kw in (("unsplit bf16 out", False, d, dict(split=False)),
                                ("fp32 q (ieee dots)", False, d, dict(qdt="fp32")),
                                ("DCP visible lengths", False, d, dict(has_vis=True)),
@@ -141,7 +143,14 @@ def main() -> None:
                                ("swap-AB fp8, fp32 q", True, t, dict(qdt="fp32")),
                                ("swap-AB fp8 DCP", True, t, dict(has_vis=True)),
                                ("swap-AB fp8 64+16", True, t, dict(R=64, P=16)),
-                               ("swap-AB fp8 block size 64", True, t, dict(block_size=64))):
+                               ("swap-AB fp8 block size 64", True, t, dict(block_size=64)),
+                               ("convert-once fp8 unsplit", True, cv, dict(split=False)),
+                               ("convert-once fp8, fp16 q", True, cv, dict(qdt="fp16")),
+                               ("convert-once fp8 DCP", True, cv, dict(has_vis=True)),
+                               ("convert-once fp8 64+16", True, cv, dict(R=64, P=16)),
+                               ("convert-once fp8 64+16 N16", True, dict(cv, BLOCK_N=16), dict(R=64, P=16)),
+                               ("convert-once fp8 swap-AB N64 w8", True,
+                                dict(cv, TRANS=True, BLOCK_N=64, num_warps=8, num_stages=2), {})):
         r = dict(variant=name)
         try:
             r.update(report(stage1(fp8, cfg, **kw)))

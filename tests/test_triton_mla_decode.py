@@ -99,10 +99,12 @@ for cdt, ks in ((torch.bfloat16, None), (torch.float8_e4m3fn, 0.05)):
 
 # second version's code paths, forced by config: swap-AB tiles (TRANS), fp16 dots for an fp8 cache (F16:
 # q rows scaled by powers of two; one q row of magnitude ~1e6 would overflow fp16 unscaled, one of ~1e-6
-# would be subnormal), the fp8 bytes loaded one tile ahead into registers (PREFETCH); block 4 < BLOCK_N
+# would be subnormal), the fp8 bytes loaded one tile ahead into registers (PREFETCH), or loaded in the loop
+# and converted once for both dots (CVT_SMEM, version 3); block 4 < BLOCK_N
 seq, ql = [45, 0, 20, 7], [1, 1, 4, 2]
 v2 = {"trans": dict(BLOCK_N=16, TRANS=True), "f16": dict(F16=True), "f16_pre": dict(F16=True, PREFETCH=True),
-      "trans_f16_pre": dict(BLOCK_N=16, TRANS=True, F16=True, PREFETCH=True)}
+      "trans_f16_pre": dict(BLOCK_N=16, TRANS=True, F16=True, PREFETCH=True),
+      "f16_cvt": dict(F16=True, V_RELOAD=False, CVT_SMEM=True)}  # version 3: convert once after the loads
 for cdt, qdt, ks in ((torch.bfloat16, torch.bfloat16, None), (torch.float8_e4m3fn, torch.bfloat16, 0.05),
                      (torch.float8_e4m3fn, torch.float16, 3.0), (torch.float32, torch.float32, None)):
     q, cache, bt, qsl = make(64, 16, 4, seq, ql, 3, cdt, qdt, ks)
@@ -120,6 +122,10 @@ q, cache, bt, qsl = make(512, 64, 16, seq, ql, 2, torch.float8_e4m3fn, torch.bfl
 out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 512, 0.05, num_splits=1,
                                    config=dict(BLOCK_N=16, TRANS=True, F16=True, PREFETCH=True))
 compare("v2_r512_trans_f16_pre", out, lse, q, cache, bt, qsl, seq, 512, 0.05)
+# the same with version 3's convert-once tile (the benchmark's M16 N32 candidate), one split
+out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 0.3, 512, 0.05, num_splits=1,
+                                   config=dict(BLOCK_N=32, F16=True, V_RELOAD=False, CVT_SMEM=True))
+compare("v3_r512_f16_cvt", out, lse, q, cache, bt, qsl, seq, 512, 0.05)
 
 # DCP local shard (rank 1 of 2, interleave 1 and 2): per-query visible lengths; L=1 leaves rank 1 empty
 seq, ql = [1, 23, 9], [1, 3, 4]
@@ -189,7 +195,7 @@ def test_case_check_bounds():
 
 def test_interpreter_equals_reference(interp_results):
     cases = {k: v for k, v in interp_results.items() if isinstance(v, dict)}
-    assert len(cases) == 25, sorted(cases)
+    assert len(cases) == 28, sorted(cases)
     fp32 = {n: n.endswith("float32") or n.startswith("dcp") or "float32_S" in n for n in cases}
     bad = {n: p for n, r in cases.items() if (p := _case_problems(r, fp32[n]))}
     assert not bad, bad  # every failing case at once
@@ -285,10 +291,15 @@ def test_gpu_fp32_queries_over_an_fp8_cache(H, ql):
                                         occupancy=1)),
     (torch.float8_e4m3fn, 0.05, 1, dict(BLOCK_N=64, num_warps=8, num_stages=1, V_RELOAD=False, TRANS=True,
                                         F16=True, PREFETCH=True, occupancy=1)),
+    # version 3: convert once after the pipelined loads (CVT_SMEM), the N32 and N64 benchmark candidates
+    (torch.float8_e4m3fn, 0.05, 1, dict(V_RELOAD=False, F16=True, CVT_SMEM=True)),
+    (torch.float8_e4m3fn, 0.05, 1, dict(BLOCK_N=64, num_stages=2, V_RELOAD=False, F16=True, CVT_SMEM=True,
+                                        occupancy=1)),
 ])
 def test_gpu_second_version_paths(cdt, ks, ql, cfg):
-    """The v2 code paths (swap-AB, fp16 dots, register prefetch) at real shapes: 16 heads, 576-wide rows,
-    lengths not a multiple of the tile, one q row of magnitude 1e4 (fp16 overflow without scaling)."""
+    """The v2 and v3 code paths (swap-AB, fp16 dots, register prefetch, convert once) at real shapes:
+    16 heads, 576-wide rows, lengths not a multiple of the tile, one q row of magnitude 1e4 (fp16
+    overflow without scaling)."""
     from longflash.attention import ops
     from longflash.attention import triton_mla_decode as tk
     seq = [4096 + 13, 20000, 1, 0, 777]

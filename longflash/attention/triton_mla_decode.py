@@ -109,7 +109,7 @@ def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row
              R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
              DDT: tl.constexpr, DOT_IEEE: tl.constexpr, V_RELOAD: tl.constexpr, TRANS: tl.constexpr,
-             PREFETCH: tl.constexpr):
+             PREFETCH: tl.constexpr, CVT_SMEM: tl.constexpr):
     """One BLOCK_N-row tile (rows start.., physical blocks ``blk``) of the online softmax: returns the
     updated (m_i, l_i, acc), base-2 logits; ``qsc`` [BLOCK_M] is each query row's logit scale.
     Dot operands are rounded to ``DDT``; with DOT_IEEE (fp32 q, or the interpreter, whose ``tl.dot``
@@ -131,6 +131,11 @@ def _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row
     if PREFETCH:
         kn = _e4m3_to_f16(raw_n, HW_FP8, DDT, DOT_IEEE)
         kp = _e4m3_to_f16(raw_p, HW_FP8, DDT, DOT_IEEE)
+    elif CVT_SMEM:  # this tile's bytes (pipelined loads), converted once in their load layout
+        kn = _e4m3_to_f16(tl.load(cache_ptr + row[:, None] + r[None, :], mask=kmask, other=0,
+                                  eviction_policy="evict_last"), HW_FP8, DDT, DOT_IEEE)
+        kp = _e4m3_to_f16(tl.load(cache_ptr + row[:, None] + R + p[None, :], mask=n_ok[:, None] & (p < P)[None, :],
+                                  other=0, eviction_policy="evict_last"), HW_FP8, DDT, DOT_IEEE)
     else:
         kn = _load_rows(cache_ptr + row[:, None] + r[None, :], kmask, FP8, HW_FP8, DDT, DOT_IEEE, "evict_last")
         kp = _load_rows(cache_ptr + row[:, None] + R + p[None, :], n_ok[:, None] & (p < P)[None, :], FP8, HW_FP8,
@@ -177,7 +182,7 @@ def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, ou
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
                        HW_FP8: tl.constexpr, HAS_VIS: tl.constexpr, SPLIT: tl.constexpr, DOT_IEEE: tl.constexpr,
                        V_RELOAD: tl.constexpr, TRANS: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       CVT_SMEM: tl.constexpr, INTERPRET: tl.constexpr):
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
@@ -248,7 +253,7 @@ def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, ou
                 raw_n2, raw_p2 = _load_raw(cache_ptr, blk_next, nxt, hi, R, P, BLOCK_R, BLOCK_P, BLOCK_SIZE)
             m_i, l_i, acc = _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row_ok, cache_ptr,
                                      qsc, R, P, BLOCK_R, BLOCK_P, BLOCK_N, BLOCK_SIZE, FP8, HW_FP8, DDT, DOT_IEEE,
-                                     V_RELOAD, TRANS, PREFETCH)
+                                     V_RELOAD, TRANS, PREFETCH, CVT_SMEM)
             blk = blk_next
             if PREFETCH:
                 raw_n = raw_n2
@@ -262,7 +267,7 @@ def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, ou
                 raw_n2, raw_p2 = _load_raw(cache_ptr, blk_next, nxt, hi, R, P, BLOCK_R, BLOCK_P, BLOCK_SIZE)
             m_i, l_i, acc = _kv_tile(q_nope, q_pe, m_i, l_i, acc, start, hi, blk, raw_n, raw_p, vis, row_ok, cache_ptr,
                                      qsc, R, P, BLOCK_R, BLOCK_P, BLOCK_N, BLOCK_SIZE, FP8, HW_FP8, DDT, DOT_IEEE,
-                                     V_RELOAD, TRANS, PREFETCH)
+                                     V_RELOAD, TRANS, PREFETCH, CVT_SMEM)
             blk = blk_next
             if PREFETCH:
                 raw_n = raw_n2
@@ -318,7 +323,9 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     TRANS (swap AB: cache rows on the MMA's M side, see ``_kv_tile``), F16 (fp8 cache: fp16 dots,
     q rows scaled by powers of two; otherwise the dots run in q's dtype), PREFETCH (with F16: the
     next tile's bytes loaded into registers during this tile, converted once for both dots),
-    occupancy (programs resident per SM, from registers and shared memory; used by the split count).
+    CVT_SMEM (with F16, not PREFETCH; optional key, default False: the tile's bytes loaded in the loop
+    as usual, so Triton pipelines them with cp.async, then converted once in their load layout and the
+    fp16 tile fed to both dots through shared memory; no V reload), occupancy (programs resident per SM, from registers and shared memory; used by the split count).
     The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
     sweep at B = 16, 32K, ``chosen``): <= 16 rows bf16 M16 N64 w4 s2 (0.84 of copy bandwidth there, 0.95-1.00
     at B 16/64 x 128K), fp8 M16 N32 w4 s3 with V reload and fp16 dots (0.34; 0.36-0.37 at 128K); 128 rows
@@ -341,7 +348,7 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
 def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dict]:
     """Tile configs that ``benchmarks/mla_decode.py`` times against each other (the default first, then
     the second run's candidates: for <= 32 rows the run-2 default and the run-1 default next; for fp8
-    the fourth is the register-prefetch tile); ``benchmarks/mla_decode_sm90_report.py`` lists their
+    the fourth is the register-prefetch tile, the version-3 CVT_SMEM tiles last); ``benchmarks/mla_decode_sm90_report.py`` lists their
     sm_90 compile reports (registers, spills, shared memory, MMA kind, pipelined loads, loop
     instructions). ``occupancy`` = programs per SM that registers and shared memory allow (from those
     reports). No duplicates."""
@@ -352,8 +359,13 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
                     PREFETCH=False, occupancy=2)  # run 2's default
         if fp8:
             pre = dict(base, num_warps=8, num_stages=1, V_RELOAD=False, F16=True, PREFETCH=True, occupancy=1)
+            # version 3: convert once after the pipelined loads (sm_90 report in benchmarks/NOTES.md);
+            # occupancy from shared memory (N32: 74-111 KB, two per SM; N64: 129 KB, one per SM)
+            cvt = dict(base, V_RELOAD=False, F16=True, CVT_SMEM=True)
             cands = [base, dict(base, num_warps=8), dict(base, F16=True), pre, dict(pre, BLOCK_N=64),
-                     dict(pre, num_warps=4, occupancy=2)]
+                     dict(pre, num_warps=4, occupancy=2), cvt, dict(cvt, num_stages=4), dict(cvt, num_stages=2),
+                     dict(cvt, BLOCK_N=64, num_stages=2, occupancy=1),
+                     dict(cvt, BLOCK_N=64, num_stages=2, num_warps=8, occupancy=1)]
         else:
             t = dict(base, BLOCK_N=64, num_stages=2, TRANS=True, occupancy=1)
             cands = [base, dict(base, num_warps=8), dict(base, BLOCK_N=64, num_stages=2), t, dict(t, num_warps=8)]
@@ -513,10 +525,11 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     vis = visible_lens.to(torch.int32) if visible_lens is not None else qsl
     f16 = bool(cfg.get("F16", False)) and fp8 and q.dtype != torch.float32  # fp16 dots need an fp8 cache
     pre = f16 and bool(cfg.get("PREFETCH", False))
+    cvt = f16 and not pre and bool(cfg.get("CVT_SMEM", False))
     common = dict(R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                   BLOCK_SIZE=block_size, FP8=fp8, HW_FP8=not interp, HAS_VIS=visible_lens is not None,
-                  DOT_IEEE=q.dtype == torch.float32 or interp, V_RELOAD=bool(cfg["V_RELOAD"]) and not pre,
-                  TRANS=bool(cfg.get("TRANS", False)), F16=f16, PREFETCH=pre,
+                  DOT_IEEE=q.dtype == torch.float32 or interp, V_RELOAD=bool(cfg["V_RELOAD"]) and not (pre or cvt),
+                  TRANS=bool(cfg.get("TRANS", False)), F16=f16, PREFETCH=pre, CVT_SMEM=cvt,
                   INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (groups, S, B)
     qk_scale = float(scale) * ks * LOG2E

@@ -124,8 +124,9 @@ class KimiK3Model(nn.Module):
         self.attn_res_schedule, self.attn_res_storage = attn_res_plan(cfg["num_hidden_layers"], self.block_size)
         # Two-phase mixers (config key ``attn_res_two_phase``, default off; ``attn_res_two_phase_mix``):
         # the committed slots are read once per block. Off by default: its fp32 partials cost Q*H*4
-        # bytes per token per block (Kimi-K3: ~700 KB/token, ~5x the AttnRes pool) and it has no GPU
-        # timing yet (benchmarks/attn_res_two_phase.py).
+        # bytes per token per block (Kimi-K3: ~700 KB/token, ~5x the AttnRes pool), and on an H200 it
+        # pays only at decode (a forward's mixers 2.15x faster at 1 token, 0.97-0.99x at 64-4096 tokens;
+        # docs/attn_res.md, benchmarks/attn_res_two_phase.py).
         self.attn_res_two_phase = bool(cfg.get("attn_res_two_phase", False))
         self._two_phase = AttnResTwoPhase(cfg["num_hidden_layers"], self.block_size, eps)
 

@@ -325,7 +325,8 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     next tile's bytes loaded into registers during this tile, converted once for both dots),
     CVT_SMEM (with F16, not PREFETCH; optional key, default False: the tile's bytes loaded in the loop
     as usual, so Triton pipelines them with cp.async, then converted once in their load layout and the
-    fp16 tile fed to both dots through shared memory; no V reload), occupancy (programs resident per SM, from registers and shared memory; used by the split count).
+    fp16 tile fed to both dots through shared memory; no V reload), occupancy (programs resident per
+    SM, from registers and shared memory; used by the split count).
     The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
     sweep at B = 16, 32K, ``chosen``): <= 16 rows bf16 M16 N64 w4 s2 (0.84 of copy bandwidth there, 0.95-1.00
     at B 16/64 x 128K), fp8 M16 N32 w4 s3 with V reload and fp16 dots (0.34; 0.36-0.37 at 128K); 128 rows
@@ -348,10 +349,10 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
 def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dict]:
     """Tile configs that ``benchmarks/mla_decode.py`` times against each other (the default first, then
     the second run's candidates: for <= 32 rows the run-2 default and the run-1 default next; for fp8
-    the fourth is the register-prefetch tile, the version-3 CVT_SMEM tiles last); ``benchmarks/mla_decode_sm90_report.py`` lists their
-    sm_90 compile reports (registers, spills, shared memory, MMA kind, pipelined loads, loop
-    instructions). ``occupancy`` = programs per SM that registers and shared memory allow (from those
-    reports). No duplicates."""
+    the fourth is the register-prefetch tile, the version-3 CVT_SMEM tiles last);
+    ``benchmarks/mla_decode_sm90_report.py`` lists their sm_90 compile reports (registers, spills,
+    shared memory, MMA kind, pipelined loads, loop instructions). ``occupancy`` = programs per SM that
+    registers and shared memory allow (from those reports). No duplicates."""
     fp8 = cache_dtype == FP8_DTYPE
     d = default_config(max_query_rows, cache_dtype)
     if max_query_rows <= 32:
@@ -360,11 +361,11 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
         if fp8:
             pre = dict(base, num_warps=8, num_stages=1, V_RELOAD=False, F16=True, PREFETCH=True, occupancy=1)
             # version 3: convert once after the pipelined loads (sm_90 report in benchmarks/NOTES.md);
-            # occupancy from shared memory (N32: 74-111 KB, two per SM; N64: 129 KB, one per SM)
+            # occupancy from shared memory (N32: 74-111 KB, two per SM; N64: 129-166 KB, one per SM)
             cvt = dict(base, V_RELOAD=False, F16=True, CVT_SMEM=True)
             cands = [base, dict(base, num_warps=8), dict(base, F16=True), pre, dict(pre, BLOCK_N=64),
                      dict(pre, num_warps=4, occupancy=2), cvt, dict(cvt, num_stages=4), dict(cvt, num_stages=2),
-                     dict(cvt, BLOCK_N=64, num_stages=2, occupancy=1),
+                     dict(cvt, BLOCK_N=64, num_stages=2, occupancy=1), dict(cvt, BLOCK_N=64, num_stages=3, occupancy=1),
                      dict(cvt, BLOCK_N=64, num_stages=2, num_warps=8, occupancy=1)]
         else:
             t = dict(base, BLOCK_N=64, num_stages=2, TRANS=True, occupancy=1)

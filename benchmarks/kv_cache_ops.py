@@ -4,18 +4,15 @@ caches into a bf16 workspace), as a fraction of the copy bandwidth measured in t
 
     python benchmarks/kv_cache_ops.py --out DIR            # GPU: 64K and 256K rows x 576, block 64
     python benchmarks/kv_cache_ops.py --out DIR --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes
-    python benchmarks/kv_cache_ops.py --out DIR --sm90     # no GPU: compile every candidate for sm_90
 
-Writes DIR/kv_cache_ops.json and DIR/kv_cache_ops.md (``--sm90``: DIR/kv_cache_ops_sm90.json / .md:
-registers, spills, shared memory, cp.async count per candidate, from Triton's bundled ptxas).
+Writes DIR/kv_cache_ops.json and DIR/kv_cache_ops.md.
 
 Bytes per op (the minimum traffic, each byte read or written once; benchmarks/NOTES.md):
   write  = T·W·2 (bf16 kv_c + k_pe read) + T·W·e (cache rows written, e = 2 bf16 / 1 fp8) + T·8 (int64
            slot_mapping);
   gather = T·W·e (cache rows read) + T·W·2 (bf16 workspace written) + T·4 (int32 token_to_seq)
            + (requests + 1)·4 (cu_seq_lens) + 4 per block-table entry used.
-Every candidate tile (rows per tile, warps, eviction policy of the streaming loads; persistent ones
-also k programs per SM and the grid-stride loop's pipeline depth) of each kernel
+Every candidate tile (rows per program, warps, eviction policy of the streaming loads) of each kernel
 is checked byte-equal to the PyTorch reference at the benchmarked shape and timed two ways, each
 against a copy timed the same way:
   * "event": CUDA events around one launch, L2 flushed before each of --reps launches, median (the
@@ -48,7 +45,6 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for kv_cache_ops.json / .md")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through TRITON_INTERPRET=1")
-    ap.add_argument("--sm90", action="store_true", help="compile the candidates for sm_90 (no GPU), time nothing")
     ap.add_argument("--rows", type=int, nargs="+", default=[65536, 262144])
     ap.add_argument("--kv-lora-rank", type=int, default=512)
     ap.add_argument("--rope-dim", type=int, default=64)
@@ -71,19 +67,9 @@ from longflash.attention import ops  # noqa: E402
 from longflash.attention import triton_ops as tk  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-# (rows per tile, num_warps, eviction policy of the streaming loads, persist, stages): persist 0 = one
-# program per tile; k = k programs per SM looping over the tiles, the loop `stages` deep in Triton's
-# pipeliner (cp.async of the next tiles' rows while this one is stored; benchmarks/NOTES.md, v3).
-CANDIDATES = [(4, 4, "", 0, 1), (8, 4, "", 0, 1), (16, 4, "", 0, 1), (16, 8, "", 0, 1), (32, 8, "", 0, 1),
-              (8, 4, "evict_first", 0, 1),
-              (4, 4, "", 16, 1), (4, 4, "", 4, 3), (4, 4, "", 8, 2), (8, 4, "", 4, 2), (8, 4, "", 4, 3),
-              (16, 4, "", 1, 3), (16, 4, "", 2, 3), (16, 4, "", 4, 2)]
-SMOKE_CANDIDATES = [(4, 4, "", 0, 1), (16, 4, "evict_first", 0, 1), (4, 4, "", 4, 3), (8, 4, "", 1, 2)]
-
-
-def tile_name(bt_, nw, ev, persist, stages) -> str:
-    """'rows/warps/evict', plus '/p{k}s{stages}' for a persistent tile."""
-    return f"{bt_}/{nw}/{ev or 'default'}" + (f"/p{persist}s{stages}" if persist else "")
+# (rows per program, num_warps, eviction policy of the streaming loads)
+CANDIDATES = [(4, 4, ""), (8, 4, ""), (16, 4, ""), (16, 8, ""), (32, 8, ""), (8, 4, "evict_first")]
+SMOKE_CANDIDATES = [(4, 4, ""), (16, 4, "evict_first")]
 
 
 class Timer:
@@ -181,10 +167,9 @@ def layout(T, bs, num_reqs, dev, seed=0):
 
 
 def _entry(op, cache_dtype, T, W, nbytes, cand, equal, t_ev, t_gr, ceilings, same, extra=None):
-    bt_, nw, ev, persist, stages = cand
+    bt_, nw, ev = cand
     r = dict(op=op, cache_dtype=str(cache_dtype).replace("torch.", ""), rows=T, width=W, bytes=nbytes,
-             block_t=bt_, num_warps=nw, evict=ev or "default", persist=persist, stages=stages,
-             tile=tile_name(*cand), equal_to_reference=equal,
+             block_t=bt_, num_warps=nw, evict=ev or "default", equal_to_reference=equal,
              event_s=t_ev, event_GBps=nbytes / t_ev / 1e9, event_frac_of_copy=nbytes / t_ev / 1e9 / ceilings["event_GBps"],
              event_frac_of_same_size_copy=nbytes / t_ev / 1e9 / same["event_GBps"])
     if t_gr:
@@ -235,8 +220,7 @@ def bench_rows(T, args, dev, timer, ceilings, out):
             k_s = kw.get("k_scale", ks)
             mode = {k: v for k, v in kw.items() if k == "scale_mode"}
             fn = [lambda i=i: tk.concat_and_cache_mla(kvs[i], pes[i], caches[i], slots, k_s, block_t=cand[0],
-                                                      num_warps=cand[1], evict=cand[2], persist=cand[3],
-                                                      stages=cand[4], **mode) for i in range(sets)]
+                                                      num_warps=cand[1], evict=cand[2], **mode) for i in range(sets)]
             caches[0].zero_()
             fn[0]()
             want = ref
@@ -256,13 +240,14 @@ def bench_rows(T, args, dev, timer, ceilings, out):
         r = ops.gather_and_maybe_dequant_cache(ref, table, cu, None, torch.bfloat16, ks)
         t_ref = timer.event(lambda: ops.gather_and_maybe_dequant_cache(ref, table, cu, None, torch.bfloat16, ks, t2s))
         for cand in cands:
-            kw = dict(total=T, block_t=cand[0], num_warps=cand[1], evict=cand[2], persist=cand[3], stages=cand[4])
             fn = [lambda i=i: tk.gather_and_maybe_dequant_cache(caches[i], table, cu, None, torch.bfloat16, ks, t2s,
-                                                                **kw) for i in range(sets)]
+                                                                total=T, block_t=cand[0], num_warps=cand[1],
+                                                                evict=cand[2]) for i in range(sets)]
             # NOTE: the output comes from the caching allocator, whose free block of this size may hold an
             # earlier candidate's (correct) result: poison it first so rows the kernel skips show up
             torch.empty(T, Wd, dtype=torch.bfloat16, device=dev).view(torch.int16).fill_(-1)
-            k = tk.gather_and_maybe_dequant_cache(ref, table, cu, None, torch.bfloat16, ks, t2s, **kw)
+            k = tk.gather_and_maybe_dequant_cache(ref, table, cu, None, torch.bfloat16, ks, t2s, total=T,
+                                                  block_t=cand[0], num_warps=cand[1], evict=cand[2])
             if dev.type == "cpu":  # the interpreter's fp32->bf16 cast is not RNE (one ulp allowed)
                 equal = bool(torch.allclose(r.float(), k.float(), rtol=2 ** -7, atol=0))
             else:
@@ -289,65 +274,8 @@ def best_rows(results):
     return list(best.values())
 
 
-def sm90_report(args) -> list[dict]:
-    """Compile every candidate of the four kernels (bf16 / fp8 write with the FMA-corrected division;
-    bf16 / fp8 gather into bf16) for sm_90 without a GPU (the compile helpers of
-    ``mla_decode_sm90_report.py``); writes DIR/kv_cache_ops_sm90.json / .md."""
-    import re
-    from mla_decode_sm90_report import _compile, report
-    R, P, W = args.kv_lora_rank, args.rope_dim, args.kv_lora_rank + args.rope_dim
-    c1, c2 = tk._row_tiles(W)
-    rows = []
-    for op, fp8 in (("write", False), ("write", True), ("gather", False), ("gather", True)):
-        cty = "*u8" if fp8 else "*bf16"
-        for cand in CANDIDATES:
-            bt_, nw, ev, persist, stages = cand
-            common = dict(FP8=fp8, HW_FP8=True, BLOCK_T=bt_, EVICT=ev, PERSIST=bool(persist),
-                          STAGES=stages if persist else 1, INTERPRET=False)
-            if op == "write":
-                kern = tk._write_kernel
-                sig = dict(kvc_ptr="*bf16", kpe_ptr="*bf16", cache_ptr=cty, slot_ptr="*i64", scale="fp32",
-                           nscale="fp32", rcp="fp32", T="i32", stride_kvc="i32", stride_kpe="i32")
-                const = dict(R=R, P=P, BLOCK_R=R, BLOCK_P=P, SCALE_MODE=3 if fp8 else 0, **common)
-                div = ["kvc_ptr", "kpe_ptr", "cache_ptr", "slot_ptr", "stride_kvc", "stride_kpe"]
-            else:
-                kern = tk._gather_kernel
-                sig = dict(cache_ptr=cty, bt_ptr="*i32", cu_ptr="*i32", starts_ptr="*i32", t2s_ptr="*i32",
-                           out_ptr="*bf16", scale="fp32", total="i32", stride_bt="i32", block_size="i32")
-                const = dict(W=W, C1=c1, C2=c2, HAS_SCALE=fp8, HAS_STARTS=False, **common)
-                div = ["cache_ptr", "bt_ptr", "cu_ptr", "starts_ptr", "t2s_ptr", "out_ptr", "stride_bt"]
-            sig = {n: sig.get(n, "constexpr") for n in kern.arg_names}  # the kernel's argument order
-            r = dict(op=op, cache="fp8" if fp8 else "bf16", tile=tile_name(*cand),
-                     default=cand == tk.kv_config(op, FP8 if fp8 else torch.bfloat16))
-            try:
-                k = _compile(kern, sig, const, div, nw, 3)
-                r.update(report(k), cp_async=len(re.findall(r"cp\.async\.c[ag]", k.asm["ptx"])))
-            except Exception as e:  # noqa: BLE001  (a compile failure is a result here)
-                r["error"] = repr(e)[:500]
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kv_cache_ops_sm90.json"), "w") as f:
-        json.dump(dict(commit=provenance.commit(), rows=rows), f, indent=1)
-    lines = ["| op | cache | tile | default | registers | spill bytes | shared B | cp.async | loop SASS |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['op']} | {r['cache']} | {r['tile']} | {'yes' if r['default'] else ''} | {r.get('regs', 'ERR')} | "
-              f"{r.get('spill_bytes', '-')} | {r.get('smem', '-')} | {r.get('cp_async', '-')} | "
-              f"{r.get('loop_instr', '-')} |"
-              for r in rows]
-    with open(os.path.join(args.out, "kv_cache_ops_sm90.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return rows
-
-
 def main():
     args = ARGS
-    if args.sm90:
-        bad = [r for r in sm90_report(args) if "error" in r]
-        if bad:
-            sys.exit(f"{len(bad)} candidates failed to compile")
-        return
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     rows = [256] if args.smoke else args.rows
     timer = Timer(dev, args.reps, args.sets, args.replays)
@@ -376,8 +304,7 @@ def main():
              f"copy bandwidth (1 GiB `copy_`, read + write): event {ceilings['event_GBps']:.0f} GB/s"
              + (f", graph {gcopy:.0f} GB/s" if gcopy else "") + f"; fp8 k_scale {args.k_scale}; "
              f"default tiles {res['kv_configs']}; wall {res['wall_s']:.0f} s", "",
-             "All candidates (rows/tile, warps, eviction policy; /p{k}s{n}: persistent, k programs per SM, n "
-             "pipeline stages); fractions of the 1 GiB copy timed the same "
+             "All candidates (rows/program, warps, eviction policy); fractions of the 1 GiB copy timed the same "
              "way, of a same-size copy, and (graph) of the event-timed 1 GiB copy (a `copy_` captured in a graph is a "
              "memcpy node, which ran slower than the kernels in the first H200 run, so graph / copy exceeded 1):", "",
              "| op | cache | rows | tile | variant | event µs | event / copy | graph µs | graph GB/s | graph / copy "
@@ -388,7 +315,7 @@ def main():
         return format(r[k], fmt) if r.get(k) is not None else "-"
 
     for r in res["results"]:
-        lines.append(f"| {r['op']} | {r['cache_dtype']} | {r['rows']} | {r['tile']} | "
+        lines.append(f"| {r['op']} | {r['cache_dtype']} | {r['rows']} | {r['block_t']}/{r['num_warps']}/{r['evict']} | "
                      f"{r.get('division', '')} | {r['event_s'] * 1e6:.1f} | {r['event_frac_of_copy']:.3f} | "
                      f"{format(r['graph_s'] * 1e6, '.1f') if r.get('graph_s') else '-'} | "
                      f"{f(r, 'graph_GBps', '.0f')} | {f(r, 'graph_frac_of_copy', '.3f')} | "
@@ -400,7 +327,7 @@ def main():
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["best"]:
         lines.append(f"| {r['op']} | {r['cache_dtype']} | {r['rows']} x {r['width']} | {r['bytes']:,} | "
-                     f"{r['tile']} | {r['event_frac_of_copy']:.3f} | "
+                     f"{r['block_t']}/{r['num_warps']}/{r['evict']} | {r['event_frac_of_copy']:.3f} | "
                      f"{f(r, 'graph_frac_of_copy', '.3f')} | {f(r, 'graph_frac_of_same_size_copy', '.3f')} | "
                      f"{f(r, 'graph_frac_of_event_copy', '.3f')} | "
                      f"{r['same_mix_cast']['event_GBps'] / ceilings['event_GBps']:.3f} | "

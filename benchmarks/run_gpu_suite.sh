@@ -20,7 +20,7 @@ run() {
   echo "=== $name rc=$rc $(( $(date +%s) - start ))s"; tail -n 25 "$R/$name.log"
   tar czf "$OUT/results.tar.gz" -C "$OUT" results  # refreshed after every step: a later timeout loses nothing
 }
-run kv_cache_ops 120 python3 benchmarks/kv_cache_ops.py --out "$R"
+run kv_cache_ops 90 python3 benchmarks/kv_cache_ops.py --out "$R"
 run mla_decode 150 python3 benchmarks/mla_decode.py --out "$R"
 run mla_decode_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla_decode.py
 run dflash_attention 70 python3 benchmarks/dflash_attention.py --out "$R" --budget-s 45

@@ -11,8 +11,7 @@
 Both cache kernels are memory-bound: whole 576-wide rows per program (a 512- and a 64-wide tile, no
 masked lanes), 16-byte accesses, the row metadata (slot; request, position, block) read once per row.
 Tiles come from ``KV_CONFIGS`` (measured on an H200 by ``benchmarks/kv_cache_ops.py``; bytes models
-and timings in ``benchmarks/NOTES.md``). A tile may also be persistent: k programs per SM loop over the
-tiles (grid-stride, software-pipelined by Triton); both forms share one inlined per-tile body.
+and timings in ``benchmarks/NOTES.md``).
 
 fp8 E4M3: on the GPU the hardware conversions (``cvt.rn.satfinite``, which also saturates to ±448; the
 exact upcast). ``x / k_scale`` must be the correctly rounded fp32 quotient, as in the reference; instead
@@ -32,7 +31,6 @@ the first import of triton.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import struct
@@ -124,13 +122,14 @@ def _to_cache(x, scale, nscale, rcp, cache_ty: tl.constexpr, FP8: tl.constexpr, 
 
 
 @triton.jit
-def _write_tile(tile, kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, stride_kvc, stride_kpe,
-                R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr,
-                SCALE_MODE: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
-    """Rows ``[tile * BLOCK_T, (tile + 1) * BLOCK_T)``: the ``kv_c`` part as a [BLOCK_T, BLOCK_R] tile and
-    the ``k_pe`` part as a [BLOCK_T, BLOCK_P] tile (576 = 512 + 64: no masked lanes), both loaded before
-    either is stored."""
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+def _write_kernel(kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, stride_kvc, stride_kpe,
+                  R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                  FP8: tl.constexpr, SCALE_MODE: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr,
+                  EVICT: tl.constexpr):
+    """BLOCK_T whole rows per program: the ``kv_c`` part as a [BLOCK_T, BLOCK_R] tile and the ``k_pe``
+    part as a [BLOCK_T, BLOCK_P] tile (576 = 512 + 64: no masked lanes), both loaded before either
+    is stored."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
     rows = (t < T) & (slot >= 0)
     t64 = t.to(tl.int64)
@@ -148,32 +147,6 @@ def _write_tile(tile, kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp,
 
 
 @triton.jit
-def _write_kernel(kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, stride_kvc, stride_kpe,
-                  R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                  FP8: tl.constexpr, SCALE_MODE: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr,
-                  EVICT: tl.constexpr, PERSIST: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                  INTERPRET: tl.constexpr = False):
-    """BLOCK_T whole rows per tile (``_write_tile``). One program per tile, or (PERSIST) a grid-stride
-    loop over the tiles, ``STAGES`` deep in Triton's software pipeliner."""
-    if PERSIST:
-        # NOTE: the CPU interpreter cannot run a `range` over tensor bounds (it calls int() on a 1-element
-        # array, an error in NumPy 2): there the same tiles in a `while` loop (as in triton_mla_decode.py).
-        if INTERPRET:
-            tile = tl.program_id(0)
-            while tile < tl.cdiv(T, BLOCK_T):
-                _write_tile(tile, kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, stride_kvc,
-                            stride_kpe, R, P, BLOCK_R, BLOCK_P, FP8, SCALE_MODE, HW_FP8, BLOCK_T, EVICT)
-                tile += tl.num_programs(0)
-        else:
-            for tile in tl.range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0), num_stages=STAGES):
-                _write_tile(tile, kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, stride_kvc,
-                            stride_kpe, R, P, BLOCK_R, BLOCK_P, FP8, SCALE_MODE, HW_FP8, BLOCK_T, EVICT)
-    else:
-        _write_tile(tl.program_id(0), kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, stride_kvc,
-                    stride_kpe, R, P, BLOCK_R, BLOCK_P, FP8, SCALE_MODE, HW_FP8, BLOCK_T, EVICT)
-
-
-@triton.jit
 def _from_cache(raw, scale, out_ty: tl.constexpr, FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                 HW_FP8: tl.constexpr):
     if FP8:
@@ -188,13 +161,14 @@ def _from_cache(raw, scale, out_ty: tl.constexpr, FP8: tl.constexpr, HAS_SCALE: 
 
 
 @triton.jit
-def _gather_tile(tile, cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total, stride_bt, block_size,
-                 W: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_STARTS: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
-    """Output rows ``[tile * BLOCK_T, (tile + 1) * BLOCK_T)``, each as a C1-wide and (if W > C1) a
-    C2-wide tile (C1 the largest power of two <= W: 576 = 512 + 64); the row's request, position and
-    block are looked up once per row."""
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+def _gather_kernel(cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total, stride_bt,
+                   block_size, W: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, FP8: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, HAS_STARTS: tl.constexpr, HW_FP8: tl.constexpr,
+                   BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """BLOCK_T whole output rows per program, each row as a C1-wide and (if W > C1) a C2-wide tile
+    (C1 the largest power of two <= W: 576 = 512 + 64); the row's request, position and block are
+    looked up once per row."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < total
     b = tl.load(t2s_ptr + t, mask=tm, other=0)
     pos = t - tl.load(cu_ptr + b, mask=tm, other=0)
@@ -219,31 +193,6 @@ def _gather_tile(tile, cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, 
         tl.store(dst[:, None] + c2[None, :], _from_cache(r2, scale, oty, FP8, HAS_SCALE, HW_FP8), mask=m2)
     else:
         tl.store(dst[:, None] + c1[None, :], _from_cache(r1, scale, oty, FP8, HAS_SCALE, HW_FP8), mask=m1)
-
-
-@triton.jit
-def _gather_kernel(cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total, stride_bt,
-                   block_size, W: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, FP8: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, HAS_STARTS: tl.constexpr, HW_FP8: tl.constexpr,
-                   BLOCK_T: tl.constexpr, EVICT: tl.constexpr, PERSIST: tl.constexpr = False,
-                   STAGES: tl.constexpr = 1, INTERPRET: tl.constexpr = False):
-    """BLOCK_T whole output rows per tile (``_gather_tile``). One program per tile, or (PERSIST) a
-    grid-stride loop over the tiles, ``STAGES`` deep in Triton's software pipeliner (the interpreter:
-    a `while` loop, as in ``_write_kernel``)."""
-    if PERSIST:
-        if INTERPRET:
-            tile = tl.program_id(0)
-            while tile < tl.cdiv(total, BLOCK_T):
-                _gather_tile(tile, cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total, stride_bt,
-                             block_size, W, C1, C2, FP8, HAS_SCALE, HAS_STARTS, HW_FP8, BLOCK_T, EVICT)
-                tile += tl.num_programs(0)
-        else:
-            for tile in tl.range(tl.program_id(0), tl.cdiv(total, BLOCK_T), tl.num_programs(0), num_stages=STAGES):
-                _gather_tile(tile, cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total, stride_bt,
-                             block_size, W, C1, C2, FP8, HAS_SCALE, HAS_STARTS, HW_FP8, BLOCK_T, EVICT)
-    else:
-        _gather_tile(tl.program_id(0), cache_ptr, bt_ptr, cu_ptr, starts_ptr, t2s_ptr, out_ptr, scale, total,
-                     stride_bt, block_size, W, C1, C2, FP8, HAS_SCALE, HAS_STARTS, HW_FP8, BLOCK_T, EVICT)
 
 
 @triton.jit
@@ -280,62 +229,32 @@ def _kernels():
     return triton, _write_kernel, _gather_kernel, _merge_kernel
 
 
-# Tiles, (rows per tile, num_warps, eviction policy of the streaming loads, persist, stages), per op and
-# cache element size. persist 0: one program per tile; k > 0: k programs per SM, each looping over the
-# tiles (grid-stride) with the loop ``stages`` deep in Triton's software pipeliner (cp.async of the next
-# tiles' rows into shared memory while this tile is stored; 1 = not pipelined; Triton's cp.async drops the
-# eviction policy). Whole rows per tile; the fastest of the candidates benchmarks/kv_cache_ops.py timed
+# Tiles, (rows per program, num_warps, eviction policy of the streaming loads), per op and cache
+# element size. Whole rows per program; the fastest of the candidates benchmarks/kv_cache_ops.py timed
 # on the H200 (commit 77f87ea, benchmarks/results/kv_cache_ops.h200.md; back-to-back launches in a CUDA
 # graph, 64K and 256K rows x 576). 4 rows / 4 warps was the fastest or within 1.5% of it for three
 # kernels at both sizes; for the fp8 gather the tiles were within 3% of each other except 4/4 at 256K
 # (8% slower), and 8/4 evict_first was the fastest at 256K and within 1.5% at 64K. Each chosen tile is
 # within 1.5% of the fastest at both sizes, so the table does not depend on the size.
-KV_CONFIGS: dict[tuple[str, int], tuple[int, int, str, int, int]] = {
-    ("write", 2): (4, 4, "", 0, 1),
-    ("write", 1): (4, 4, "", 0, 1),
-    ("gather", 2): (4, 4, "", 0, 1),
-    ("gather", 1): (8, 4, "evict_first", 0, 1),
+KV_CONFIGS: dict[tuple[str, int], tuple[int, int, str]] = {
+    ("write", 2): (4, 4, ""),
+    ("write", 1): (4, 4, ""),
+    ("gather", 2): (4, 4, ""),
+    ("gather", 1): (8, 4, "evict_first"),
 }
 
-# Stand-in SM count for the persistent grid in the CPU interpreter (small, so tests loop over tiles).
-INTERPRETER_SMS = 2
 
-
-def kv_config(op: str, cache_dtype: torch.dtype) -> tuple[int, int, str, int, int]:
-    """(block_t, num_warps, evict, persist, stages) of ``KV_CONFIGS`` for ``op`` in {"write", "gather"};
-    caches of other element sizes (fp32) take the bf16 row."""
+def kv_config(op: str, cache_dtype: torch.dtype) -> tuple[int, int, str]:
+    """(block_t, num_warps, evict) of ``KV_CONFIGS`` for ``op`` in {"write", "gather"}; caches of other
+    element sizes (fp32) take the bf16 row."""
     esz = torch.empty((), dtype=cache_dtype).element_size()
     return KV_CONFIGS.get((op, esz), KV_CONFIGS[(op, 2)])
-
-
-@functools.lru_cache(maxsize=None)
-def _device_sms(index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``index`` (132 on an H200), cached."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _grid(rows: int, block_t: int, persist: int, stages: int, t: torch.Tensor) -> tuple[tuple[int], bool]:
-    """(grid, PERSIST) for ``rows`` rows in tiles of ``block_t``: one program per tile (persist 0), or
-    min(tiles, persist x SM count) programs (``INTERPRETER_SMS`` stands in for the SM count off the GPU).
-    Raises ValueError for a negative ``persist`` or ``stages`` < 1."""
-    if persist < 0 or stages < 1:
-        raise ValueError(f"persist must be >= 0 and stages >= 1, got persist={persist}, stages={stages}")
-    tiles = triton.cdiv(rows, block_t)
-    if not persist:
-        return (tiles,), False
-    sms = _device_sms(t.device.index if t.device.index is not None else torch.cuda.current_device()) \
-        if t.is_cuda else INTERPRETER_SMS
-    return (min(tiles, persist * sms),), True
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _hw_fp8(t: torch.Tensor) -> bool:
     """Use the hardware E4M3 conversions on a GPU; the integer ones in the CPU interpreter (whose
     emulated fp8 cast rounds wrongly)."""
-    return t.is_cuda and not _interpreting()
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def _f32(v: float) -> float:
@@ -367,19 +286,16 @@ def _write_scale(k_scale, hw: bool) -> tuple[int, float, float, float]:
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
                          *, block_t: int | None = None, num_warps: int | None = None,
-                         evict: str | None = None, persist: int | None = None, stages: int | None = None,
-                         scale_mode: int | None = None) -> None:
+                         evict: str | None = None, scale_mode: int | None = None) -> None:
     """Triton version of :func:`longflash.attention.ops.concat_and_cache_mla` (same semantics and, for
     every non-NaN input, the same cache bytes; a NaN is stored as an E4M3 NaN of either sign).
 
-    ``block_t`` (rows per tile, a power of two), ``num_warps``, ``evict`` (eviction policy of the input
-    loads: "" or "evict_first"), ``persist`` (0: one program per tile; k: k programs per SM looping over
-    the tiles) and ``stages`` (pipeline depth of that loop) override ``kv_config("write", dtype)``;
-    benchmarks sweep them.
+    ``block_t`` (rows per program, a power of two), ``num_warps`` and ``evict`` (eviction policy of
+    the input loads: "" or "evict_first") override ``kv_config("write", dtype)``; benchmarks sweep them.
     ``scale_mode`` (benchmarks and tests) forces the division of an fp8 write with a k_scale: 2 = IEEE
     division, 3 = FMA-corrected reciprocal (GPU only, 2^-60 <= k_scale <= 2^60); see ``_quantize_e4m3``.
-    Raises ValueError if the cache is not contiguous with rows of width ``R + P``, for a
-    ``scale_mode`` that cannot apply, or for persist < 0 / stages < 1."""
+    Raises ValueError if the cache is not contiguous with rows of width ``R + P``, or for a
+    ``scale_mode`` that cannot apply."""
     triton, write, _, _ = _kernels()
     T = kv_c.shape[0]
     if T == 0:
@@ -400,12 +316,10 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         mode = scale_mode
     cfg = kv_config("write", kv_cache.dtype)
     block_t = block_t or cfg[0]
-    stages = cfg[4] if stages is None else stages
-    grid, pers = _grid(T, block_t, cfg[3] if persist is None else persist, stages, kv_cache)
+    grid = (triton.cdiv(T, block_t),)
     write[grid](kv_c, k_pe, dst, slot_mapping, scale, nscale, rcp, T, kv_c.stride(0), k_pe.stride(0), R=R, P=P,
                 BLOCK_R=triton.next_power_of_2(R), BLOCK_P=triton.next_power_of_2(P), FP8=fp8, SCALE_MODE=mode,
-                HW_FP8=hw, BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict, PERSIST=pers,
-                STAGES=stages if pers else 1, INTERPRET=_interpreting(),
+                HW_FP8=hw, BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict,
                 num_warps=num_warps or cfg[1])
 
 
@@ -441,14 +355,12 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
                                    k_scale: float | torch.Tensor | None = None,
                                    token_to_seq: torch.Tensor | None = None,
                                    total: int | None = None, *, block_t: int | None = None,
-                                   num_warps: int | None = None, evict: str | None = None,
-                                   persist: int | None = None, stages: int | None = None) -> torch.Tensor:
+                                   num_warps: int | None = None, evict: str | None = None) -> torch.Tensor:
     """Triton version of :func:`longflash.attention.ops.gather_and_maybe_dequant_cache`.
 
     ``total`` (rows, = cu_seq_lens[-1]) may be given to avoid a device->host sync. Rows of
     ``cache`` beyond the block size are flattened (``[num_blocks, block_size, *row_shape]``).
-    ``block_t`` / ``num_warps`` / ``evict`` / ``persist`` / ``stages`` override
-    ``kv_config("gather", dtype)`` (as in the write; ValueError for persist < 0 or stages < 1).
+    ``block_t`` / ``num_warps`` / ``evict`` override ``kv_config("gather", dtype)`` (as in the write).
     """
     triton, _, gather, _ = _kernels()
     if total is None:
@@ -474,13 +386,11 @@ def gather_and_maybe_dequant_cache(cache: torch.Tensor, block_table: torch.Tenso
     cfg = kv_config("gather", cache.dtype)
     block_t = block_t or cfg[0]
     c1, c2 = _row_tiles(W)
-    stages = cfg[4] if stages is None else stages
-    grid, pers = _grid(total, block_t, cfg[3] if persist is None else persist, stages, cache)
+    grid = (triton.cdiv(total, block_t),)
     gather[grid](src, bt, cu_seq_lens, starts, token_to_seq, out, scale, total, bt.stride(0), cache.shape[1],
                  W=W, C1=c1, C2=c2, FP8=fp8, HAS_SCALE=has_scale, HAS_STARTS=seq_starts is not None,
-                 HW_FP8=_hw_fp8(cache), BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict, PERSIST=pers,
-                 STAGES=stages if pers else 1, INTERPRET=_interpreting(),
-                num_warps=num_warps or cfg[1])
+                 HW_FP8=_hw_fp8(cache), BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict,
+                 num_warps=num_warps or cfg[1])
     return out
 
 

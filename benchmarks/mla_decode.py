@@ -39,6 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through TRITON_INTERPRET=1")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--budget-s", type=float, default=125.0, help="stop adding rows after this many seconds")
+    ap.add_argument("--short-splits-only", action="store_true",
+                    help="only the batch-1 short-context split-count sweep (and the checks)")
     return ap.parse_args(argv)
 
 
@@ -66,7 +68,7 @@ else:  # smoke: same code path, tiny
 W = R + P
 SCALE = (192 ** -0.5)  # DeepSeek-V3: 1 / sqrt(qk_nope + qk_rope)
 K_SCALE = 0.0625
-RESULT: dict = {"rows": [], "sweep": [], "splits": [], "checks": [], "extra": []}
+RESULT: dict = {"rows": [], "sweep": [], "splits": [], "short_splits": [], "checks": [], "extra": []}
 
 
 def out_path(name: str) -> str:
@@ -281,7 +283,9 @@ def write_md() -> str:
         lines.append(f"| {c['dtype']} | {c['lens']} | {c['q_lens']} | {c['heads']} | {c['config'] or 'default'} | "
                      f"{c['splits'] or 'auto'} | {c['rel_err']:.2e} | {c['lse_max_abs']:.1e} | {c['ok']} |")
     for title, key in (("Main table (chosen config: fastest of the sweep)", "rows"), ("Tile-config sweep", "sweep"),
-                       ("Split-count sweep", "splits"), ("Extra shapes", "extra")):
+                       ("Split-count sweep", "splits"),
+                       ("Split-count sweep at batch 1, short contexts (auto = choose_num_splits)", "short_splits"),
+                       ("Extra shapes", "extra")):
         rows = [r for r in RESULT[key] if "time_us" in r]
         if rows:
             lines += ["", f"## {title}", "", HEADER] + [fmt_row(r) for r in rows]
@@ -320,6 +324,28 @@ def summary() -> str:
     return "\n".join(out)
 
 
+def short_split_sweep(caches, ceil) -> None:
+    """Batch 1, q_len 1, contexts 256 and 4096 (the decode of short chats and of speculative verify
+    at small batch), each cache dtype at the default config: the auto split count against explicit
+    counts 1..64 (each split >= 32 rows). At these sizes the kernel is latency-bound: a program walks
+    its split's rows tile by tile, so fewer rows per program shortens the chain while the split partials
+    add traffic and a second launch."""
+    for d in ("bf16", "fp8"):
+        for L in ((256, 4096) if CUDA else (40,)):
+            for S in (None, 1, 2, 4, 8, 16, 32, 64):
+                if S is not None and S * 32 > L:
+                    continue
+                if over_budget():
+                    RESULT.setdefault("skipped", []).append(["short_splits", d, L, S])
+                    continue
+                r = try_measure(caches, ceil, d, 1, L, 1, S=S)
+                r["auto"] = S is None
+                RESULT["short_splits"].append(r)
+                if "time_us" in r:
+                    print(fmt_row(r) + (" (auto)" if S is None else ""), flush=True)
+    save()
+
+
 def main() -> None:
     commit = provenance.commit(short=True)
     import triton
@@ -338,6 +364,12 @@ def main() -> None:
             RESULT["checks"].append(finish_check(check(caches, dtype, lens, qls)))
             print("check", RESULT["checks"][-1], flush=True)
     save()
+    if ARGS.short_splits_only:
+        short_split_sweep(caches, ceil)
+        RESULT["total_s"] = time.perf_counter() - T0
+        save()
+        print(write_md())
+        return
     # 2. tile-config sweep at B=16, 32K (each candidate checked against the reference first); the fastest
     #    correct candidate of each (cache, q_len) runs the main table and is the proposed default
     Bs, Ls = BATCHES[1], CONTEXTS[1]
@@ -399,6 +431,7 @@ def main() -> None:
         RESULT["extra"].append(r)
         if "time_us" in r:
             print(fmt_row(r), flush=True)
+    short_split_sweep(caches, ceil)
     if CUDA:
         c = finish_check(check(caches, "bf16", [big, 5], [1, 2], heads=128))
         RESULT["checks"].append(c)

@@ -39,6 +39,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("LONGFLASH_API_KEY"),
+                   help="bearer token for a --base-url server started with --api-key (default: $OPENAI_API_KEY, "
+                        "as vllm bench serve, else $LONGFLASH_API_KEY)")
     p.add_argument("--server-start-timeout-s", type=float, default=900.0,
                    help="seconds to wait for the started server's /health (a --base-url server: 10 s at most)")
 
@@ -70,10 +73,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get(host: str, port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+def _headers(api_key: str | None, **extra) -> dict:
+    return dict(extra, **({"Authorization": f"Bearer {api_key}"} if api_key else {}))
+
+
+def _get(host: str, port: int, path: str, timeout: float = 10.0, api_key: str | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=_headers(api_key))
         r = conn.getresponse()
         return r.status, r.read()
     finally:
@@ -97,13 +104,13 @@ def spec_counters(text: str) -> dict:
 
 
 def _stream_completion(host: str, port: int, model: str, prompt: list[int], output_len: int, t: RequestTiming,
-                       timeout: float) -> None:
+                       timeout: float, api_key: str | None = None) -> None:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         t.start = time.perf_counter()
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", body, _headers(api_key, **{"Content-Type": "application/json"}))
         r = conn.getresponse()
         if r.status != 200:
             t.ok, t.error = False, f"HTTP {r.status}: {r.read()[:200]!r}"
@@ -220,10 +227,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if proc is not None:
             _wait_healthy(proc, host, port, args.server_start_timeout_s, log_path)
-        model = json.loads(_get(host, port, "/v1/models")[1])["data"][0]["id"]
+        key = args.api_key if proc is None else None  # a started server has no key
+        status, body = _get(host, port, "/v1/models", api_key=key)
+        if status != 200:
+            hint = " (the server wants an API key: --api-key or $OPENAI_API_KEY)" if status == 401 else ""
+            print(f"error: GET /v1/models answered HTTP {status}{hint}: {body[:300].decode(errors='replace')}",
+                  file=sys.stderr)
+            return 1
+        model = json.loads(body)["data"][0]["id"]
         # warm-up: one short request (first-use compilation stays out of the numbers)
-        _stream_completion(host, port, model, prompts[0], 4, RequestTiming(0.0), timeout=600)
-        spec0 = spec_counters(_get(host, port, "/metrics")[1].decode())
+        _stream_completion(host, port, model, prompts[0], 4, RequestTiming(0.0), timeout=600, api_key=key)
+        spec0 = spec_counters(_get(host, port, "/metrics", api_key=key)[1].decode())
         timings = [RequestTiming(0.0, prompt_tokens=len(p)) for p in prompts]
         workers = min(args.num_prompts, args.max_concurrency or args.num_prompts)
         rng = random.Random(args.seed)
@@ -231,13 +245,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             futures = []
             for p, t in zip(prompts, timings):
-                futures.append(pool.submit(_stream_completion, host, port, model, p, args.output_len, t, 3600))
+                futures.append(pool.submit(_stream_completion, host, port, model, p, args.output_len, t, 3600, key))
                 if args.request_rate != float("inf"):
                     time.sleep(rng.expovariate(args.request_rate))
             for f in futures:
                 f.result()
         duration = time.perf_counter() - t0
-        spec1 = spec_counters(_get(host, port, "/metrics")[1].decode())
+        spec1 = spec_counters(_get(host, port, "/metrics", api_key=key)[1].decode())
     finally:
         if proc is not None:
             proc.terminate()
@@ -258,6 +272,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if errors:
         m["errors"] = errors[:5]
     print(format_report(m), flush=True)
+    for e in m.get("errors", []):  # why requests failed (e.g. the server's 400), not only how many
+        print(f"failed request: {e}", file=sys.stderr)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(m, args={k: v for k, v in vars(args).items() if k != "func"}), f, indent=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 import re
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ _DTYPES = {
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
                "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+logger = logging.getLogger(__name__)
 
 
 def parse_bytes(value: str | int | float) -> int:
@@ -160,7 +163,13 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be one of auto, bfloat16, fp8; got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be one of auto, bfloat16, fp8 (= fp8_e4m3); "
+                             f"got {self.kv_cache_dtype!r}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+            logger.warning("calculate_kv_scales has no effect: the KV cache is not fp8 (kv_cache_dtype %s)",
+                           self.kv_cache_dtype)
         if self.context_workspace_rows < self.block_size:
             raise ValueError(f"context_workspace_rows ({self.context_workspace_rows}) must be >= block_size "
                              f"({self.block_size})")

@@ -43,6 +43,26 @@ def test_bad_prompts_and_stop_ids(llm):
     assert len(llm.generate(["hi"], sp)[0].outputs[0].token_ids) == 2  # still serving
 
 
+def test_chat_content_parts_and_bad_conversations(llm):
+    """LLM.chat takes text parts (joined with newlines, as the server and vLLM do) and refuses what a
+    text-only model cannot take by name; generate(None) is a clear error (a fresh user got a TypeError
+    from inside the chat template and from len())."""
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    joined = [{"role": "user", "content": "Hello\nworld"}]
+    assert llm.chat(parts, sp)[0].prompt_token_ids == llm.chat(joined, sp)[0].prompt_token_ids
+    assert llm.chat([{"role": "user"}], sp)[0].outputs[0].token_ids  # no content: an empty message
+    for bad, match in (([], "non-empty conversation"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                        "content part type 'image_url' is not supported"),
+                       ([{"role": "wizard", "content": "x"}], "role must be one of")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(bad, sp)
+    with pytest.raises(ValueError, match="prompts must be a prompt"):
+        llm.generate(None, sp)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_failed_request_keeps_the_others_outputs(llm, monkeypatch):
     engine = llm.engine
     real = engine._sample_and_verify

@@ -159,6 +159,12 @@ def test_chat_openai_client(server, client):
     # The prompt is the chat template applied by the tokenizer.
     tok = httpx.post(server.url + "/tokenize", headers=_headers(), json={"messages": msgs}).json()
     assert tok["count"] == r.usage.prompt_tokens
+    # Text parts are joined with newlines (vLLM's chat utils), not concatenated.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say hello"}, {"type": "text", "text": "world"}]}]
+    joined = [{"role": "user", "content": "Say hello\nworld"}]
+    ids = [httpx.post(server.url + "/tokenize", headers=_headers(), json={"messages": m}).json()["tokens"]
+           for m in (parts, joined)]
+    assert ids[0] == ids[1]
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, stream=True, **GREEDY))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -274,6 +280,11 @@ BAD_INPUTS = [
     ("image_content", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      None, 400, "messages.0.content", "invalid_value"),
+    ("text_part_without_text", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, None, 400,
+     "messages.0.content", "invalid_value"),
+    ("tool_choice_without_tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+     "content": "x"}], "tool_choice": "required"}, None, 400, "tool_choice", "unsupported_field"),
     ("max_tokens_zero", "/v1/completions", {**OK_COMPLETION, "max_tokens": 0}, None, 400, "max_tokens",
      "invalid_value"),
     ("max_tokens_negative", "/v1/chat/completions",
@@ -572,3 +583,18 @@ def test_continue_final_message_and_chat_template(server):
     bare = prompt_tokens(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert bare < open_   # "hiHel" alone: no role markers
 
+
+
+def test_bench_serve_base_url_with_api_key(server, model_dir):
+    """``bench serve --base-url`` against a server started with --api-key: --api-key (or
+    $OPENAI_API_KEY, as vllm bench serve) is sent; without it the 401 is a one-line error, not a
+    traceback (found by a fresh user: KeyError 'data')."""
+    cmd = [sys.executable, "-m", "longflash.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+           "--model", model_dir, "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+           "--peak-bandwidth-gbs", "10"]
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "LONGFLASH_API_KEY")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1 and "HTTP 401" in r.stderr and "--api-key" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(env, OPENAI_API_KEY=API_KEY))
+    assert r.returncode == 0 and "Serving Benchmark Result" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

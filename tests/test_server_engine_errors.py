@@ -73,3 +73,6 @@ def test_context_length_error_names_the_field_to_change():
     assert _param_of(msg.format(9001, 4)) == "prompt"
     assert _param_of(msg.format(4096, 1)) == "prompt"
     assert _param_of(msg.format(90, 5000)) == "max_tokens"
+    alone = ("this model's maximum context length is 4096 tokens, but the prompt alone has 4096 tokens (room for "
+             "at least one generated token is needed)")
+    assert _param_of(alone) == "prompt"

@@ -174,6 +174,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.num_blocks, bs, self.kv_cache_dtype, self.device,
                                       config.calculate_kv_scales, config.context_workspace_rows, config.max_num_seqs)
         self._graphs_pending = self._setup_uniform_decode()
+        self._scales_unlogged = self._kv_scales_pending()  # logged once the first batch has set them
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampling_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.stats = EngineStats()
@@ -444,6 +445,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            if len(prompt_token_ids) >= self.max_model_len:  # whatever max_tokens is (it may be a default)
+                raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                                 f"prompt alone has {len(prompt_token_ids)} tokens (room for at least one generated "
+                                 "token is needed)")
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but "
                              f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} exceed it")
 
@@ -582,6 +587,11 @@ class LLMEngine:
         for s in sched.scheduled:  # before the forward: queue time and prefill time stay apart
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = t_sched
+        if self._scales_unlogged and not self._kv_scales_pending():
+            self._scales_unlogged = False
+            ks = self.startup_report()["k_scales"]
+            logger.info("fp8 KV k_scale calculated from the first batch (amax / 200, now frozen): min %.4g max %.4g "
+                        "over %d layers", min(ks), max(ks), len(ks))
         if self._graphs_pending and not self._kv_scales_pending():
             self._graphs_pending = False
             self._capture_graphs()

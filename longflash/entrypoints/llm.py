@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from longflash.config import EngineConfig
 from longflash.default_model_path import default_model_path
 from longflash.engine.llm_engine import LLMEngine
+from longflash.entrypoints.chat_utils import normalize_messages
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids, merge_outputs
 from longflash.outputs import RequestOutput
 from longflash.sampling_params import SamplingParams
@@ -85,6 +86,9 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a prompt (text, token ids or {'prompt_token_ids': [...]}) or a list "
+                             f"of them, got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -118,11 +122,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Apply the tokenizer's chat template to one conversation (a list of ``{"role", "content"}``
+        dicts) or a list of them, and generate. ``content``: a string, a list of text parts
+        (``{"type": "text", "text": ...}``, joined with newlines as vLLM does), or None. Raises ValueError
+        naming the message for an empty conversation, a bad role, or a non-text part (e.g. ``image_url``)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty conversation (a list of {'role', 'content'} dicts) "
+                             "or a non-empty list of them")
+        convs = [messages] if isinstance(messages[0], dict) else messages
         prompts = []
         for conv in convs:
-            prompts.append({"prompt_token_ids": self.engine.apply_chat_template(conv, add_generation_prompt)})
+            prompts.append({"prompt_token_ids": self.engine.apply_chat_template(normalize_messages(conv),
+                                                                                add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> tuple[dict[str, RequestOutput], dict[str, Exception]]:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import longflash
+from longflash.entrypoints.chat_utils import normalize_messages
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids
 from longflash.entrypoints.server.async_engine import (AsyncEngine, EngineRequestError, RequestStream, ServerShuttingDown,
                                                        merge_streams)
@@ -104,15 +105,9 @@ def _ids_of(encoded) -> list[int]:
 
 
 def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    out = []
-    for m in messages:
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            d["content"] = "".join(p.text for p in m.content)
-        elif m.content is None:
-            d["content"] = ""
-        out.append(d)
-    return out
+    """Validated messages as the chat template takes them (``chat_utils.normalize_messages``: text parts
+    joined with newlines, as vLLM does)."""
+    return normalize_messages([m.model_dump(exclude_none=True) for m in messages])
 
 
 def _chat_ids(engine, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from longflash.entrypoints.chat_utils import content_text
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -59,6 +61,7 @@ class _SamplingRequest(_Strict):
                 "response_format": rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
                 "tools": bool(data.get("tools")),
                 "functions": bool(data.get("functions")),
+                "tool_choice": data.get("tool_choice") not in (None, "none"),
                 "suffix": bool(data.get("suffix")),
                 "prompt_logprobs": data.get("prompt_logprobs") is not None,
             }
@@ -89,14 +92,10 @@ class ChatMessage(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, v):
-        """Name a content part this text-only server cannot take (e.g. ``image_url``), instead of
-        pydantic's union errors ("Input should be a valid string")."""
+        """Name a content part this text-only server cannot take (e.g. ``image_url``) or a malformed text
+        part, instead of pydantic's union errors ("Input should be a valid string")."""
         if isinstance(v, list):
-            for part in v:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind != "text":
-                    raise ValueError(f"content part type {kind!r} is not supported: the model takes text "
-                                     "only (parts of type 'text')")
+            content_text(v)  # raises ValueError naming the bad part
         return v
 
 

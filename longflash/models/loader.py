@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from typing import Iterator
 
 import torch
@@ -70,10 +71,13 @@ class _NoBar:
 
 
 def _progress_bar(total: int, enabled: bool):
-    """A "Loading weights" tqdm bar, or a no-op without ``enabled``: even a disabled tqdm creates
-    tqdm's multiprocessing lock, a named semaphore that a TP worker killed with SIGKILL leaves behind
-    ("resource_tracker: ... leaked semaphore objects")."""
-    return tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) if enabled else _NoBar()
+    """A "Loading weights" tqdm bar on a terminal, else a no-op: even a disabled tqdm creates tqdm's
+    multiprocessing lock, a named semaphore that a TP worker killed with SIGKILL leaves behind
+    ("resource_tracker: ... leaked semaphore objects"); and redirected to a file, the bar's carriage
+    returns (it is cleared, not ended by a newline) glued the next log line onto it."""
+    if enabled and sys.stderr.isatty():
+        return tqdm(total=total, desc="Loading weights", unit="tensor", leave=False)
+    return _NoBar()
 
 
 def iterate_tensors(files: list[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

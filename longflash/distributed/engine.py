@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import faulthandler
 import logging
+import multiprocessing
 import signal
 import sys
 import time
@@ -81,7 +82,11 @@ def _worker_main(rank: int, world: int, port: int, config, num_blocks: int, kv_c
         runner.serve_forever()
         runner.release_graphs()
     except BaseException:
-        logger.exception("TP/DCP worker rank %d failed", rank)
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():  # rank 0 was killed: the error is only its echo
+            logger.error("TP/DCP worker rank %d: rank 0 (pid %s) exited; stopping", rank, parent.pid)
+        else:
+            logger.exception("TP/DCP worker rank %d failed", rank)
         sys.exit(1)
     comm.destroy_distributed()
 

@@ -46,7 +46,7 @@ from longflash.ops.triton_env import interpreting, sm_count
 from longflash.ops.triton_math import dot_acc
 
 LOG2E = 1.4426950408889634
-MIN_SPLIT_ROWS = 256
+MIN_SPLIT_ROWS = 64
 MAX_SPLITS = 256
 # Rates of the split-count model (choose_num_splits): H200 copy bandwidth, and a bf16 tensor-core rate
 # this kernel may reach (about half the measured GEMM rate).

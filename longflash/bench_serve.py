@@ -113,7 +113,12 @@ def _stream_completion(host: str, port: int, model: str, prompt: list[int], outp
         conn.request("POST", "/v1/completions", body, _headers(api_key, **{"Content-Type": "application/json"}))
         r = conn.getresponse()
         if r.status != 200:
-            t.ok, t.error = False, f"HTTP {r.status}: {r.read()[:200]!r}"
+            body = r.read().decode(errors="replace")
+            try:  # the server's JSON error: its message
+                body = json.loads(body)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            t.ok, t.error = False, f"HTTP {r.status}: {body[:500]}"
             return
         while True:
             line = r.readline()
@@ -210,7 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     peak = peak_bandwidth(args, device)  # measured before the server holds the device
     proc, log_path = None, None
     if args.base_url:
-        u = urllib.parse.urlparse(args.base_url)
+        # "127.0.0.1:8000" (no scheme) would parse as scheme "127.0.0.1": read it as http://
+        u = urllib.parse.urlparse(args.base_url if "://" in args.base_url else "http://" + args.base_url)
         host, port = u.hostname or "127.0.0.1", u.port or 80
     else:
         host, port = "127.0.0.1", _free_port()

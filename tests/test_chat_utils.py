@@ -24,6 +24,7 @@ def test_text_parts_are_joined_with_newlines_and_other_keys_kept():
     ([{"role": "user", "content": [{"type": "text"}]}], "content part 0 \\(type 'text'\\) needs a string 'text'"),
     ([{"role": "user", "content": [{"text": "hi"}]}], "content part 0 must be"),
     ([{"role": "user", "content": 5}], "content must be a string or a list of text parts"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}], "not valid Unicode"),
 ])
 def test_bad_messages_are_named(msgs, match):
     with pytest.raises(ValueError, match=match):

@@ -341,9 +341,9 @@ BAD_INPUTS = [
     ("continue_with_generation_prompt", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, None, 400,
      "continue_final_message", "invalid_value"),
-    ("chat_template_error", "/v1/chat/completions",
+    ("chat_template_untrusted", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1/0 }}"}, None, 400,
-     None, None),
+     "chat_template", "invalid_value"),
     ("batch_too_large", "/v1/completions", {**OK_COMPLETION, "prompt": ["a", "b", "c"], "n": 50}, None, 400,
      "prompt", "invalid_value"),
     ("batch_one_bad_prompt", "/v1/completions", {**OK_COMPLETION, "prompt": [[1, 2], [10**6]]}, None, 400,
@@ -580,8 +580,25 @@ def test_continue_final_message_and_chat_template(server):
         return r.json()["usage"]["prompt_tokens"]
     closed, open_ = prompt_tokens(), prompt_tokens(continue_final_message=True)
     assert open_ < closed
-    bare = prompt_tokens(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    assert bare < open_   # "hiHel" alone: no role markers
+    # a request chat_template needs --trust-request-chat-template (vLLM's flag): it runs on the engine thread
+    tmpl = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    r = httpx.post(server.url + "/v1/chat/completions", json={**base, "chat_template": tmpl}, headers=_headers())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+def test_request_chat_template_when_trusted(model_dir):
+    with ServerProcess(model_dir, "--trust-request-chat-template", "--max-model-len", "256",
+                       "--num-gpu-blocks-override", "64", "--disable-uvicorn-access-log") as s:
+        body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+                "max_tokens": 1, "temperature": 0, "add_generation_prompt": False}
+        tokens = [httpx.post(s.url + "/v1/chat/completions", json={**body, **kw}, timeout=60).json()["usage"]
+                  ["prompt_tokens"] for kw in ({}, {"chat_template": "{% for m in messages %}{{ m['content'] }}"
+                                                                     "{% endfor %}"})]
+        assert tokens[1] < tokens[0]   # "hiHel" alone: no role markers
+        r = httpx.post(s.url + "/v1/chat/completions", json={**body, "chat_template": "{{ 1/0 }}"}, timeout=60)
+        assert r.status_code == 400 and "division by zero" in r.json()["error"]["message"], r.text
+        assert httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
 

@@ -24,6 +24,10 @@ def normalize_messages(messages) -> list[dict]:
             raise ValueError(f"message {i}: role must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
         d = dict(m)
         d["content"] = content_text(m.get("content"), where=f"message {i}")
+        try:
+            d["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"message {i}: content is not valid Unicode text (a lone surrogate?)") from None
         out.append(d)
     return out
 

@@ -127,7 +127,8 @@ class _Server:
     """The routes' shared state."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], model_path: str,
-                 metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, speculative_config: dict | None):
+                 metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, speculative_config: dict | None,
+                 trust_request_chat_template: bool = False):
         self.ae = async_engine
         self.engine = async_engine.engine
         self.names = served_model_names
@@ -137,6 +138,7 @@ class _Server:
         self.max_body_bytes = max_body_bytes
         self.max_logprobs = self.engine.config.max_logprobs  # the engine argument (--max-logprobs)
         self.speculative_config = speculative_config
+        self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
         gc = self.engine.generation_config
         self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gc}
@@ -374,9 +376,12 @@ def _held_back(params: SamplingParams) -> int:
 
 def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_path: str, metrics: ServerMetrics,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              speculative_config: dict | None = None) -> FastAPI:
-    """The FastAPI app. Starts ``async_engine`` on start-up and stops it on shutdown."""
-    srv = _Server(async_engine, served_model_names, model_path, metrics, api_key, max_body_bytes, speculative_config)
+              speculative_config: dict | None = None, trust_request_chat_template: bool = False) -> FastAPI:
+    """The FastAPI app. Starts ``async_engine`` on start-up and stops it on shutdown. A request's own
+    ``chat_template`` is refused unless ``trust_request_chat_template`` (vLLM's
+    ``--trust-request-chat-template``): templates run on the engine thread, so one could stall every user."""
+    srv = _Server(async_engine, served_model_names, model_path, metrics, api_key, max_body_bytes, speculative_config,
+                  trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -569,6 +574,10 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         if req.chat_template is not None:
+            if not srv.trust_request_chat_template:
+                raise ApiError(400, "a request chat_template is refused unless the server is started with "
+                               "--trust-request-chat-template (a template runs on the engine thread)",
+                               param="chat_template", code="invalid_value")
             kwargs["chat_template"] = req.chat_template
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs), params,

@@ -37,6 +37,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each finished request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template in chat requests (off by default, as in vLLM: a template runs on "
+                        "the engine thread, so a costly one stalls every request)")
 
 
 def _bind_error(host: str, port: int) -> str | None:
@@ -106,7 +109,7 @@ def run_server(args: argparse.Namespace) -> int:
     metrics.update(engine)
     app = build_app(async_engine, names, config.model, metrics, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes,
-                    speculative_config=spec)
+                    speculative_config=spec, trust_request_chat_template=args.trust_request_chat_template)
     logger.info("serving %s as %s on http://%s:%d", config.model, ", ".join(names), args.host, args.port)
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

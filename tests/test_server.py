@@ -303,6 +303,8 @@ BAD_INPUTS = [
      "invalid_value"),
     ("too_long", "/v1/completions", {**OK_COMPLETION, "max_tokens": MAX_MODEL_LEN}, None, 400, "max_tokens",
      "invalid_value"),
+    ("too_long_max_completion_tokens", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+     "content": "x"}], "max_completion_tokens": MAX_MODEL_LEN}, None, 400, "max_completion_tokens", "invalid_value"),
     ("too_long_prompt", "/v1/completions", {**OK_COMPLETION, "prompt": list(range(10, 10 + MAX_MODEL_LEN)),
                                             "max_tokens": 1}, None, 400, "prompt", "invalid_value"),
     ("unknown_model", "/v1/completions", {**OK_COMPLETION, "model": "gpt-7"}, None, 404, "model",
@@ -599,6 +601,12 @@ def test_request_chat_template_when_trusted(model_dir):
         r = httpx.post(s.url + "/v1/chat/completions", json={**body, "chat_template": "{{ 1/0 }}"}, timeout=60)
         assert r.status_code == 400 and "division by zero" in r.json()["error"]["message"], r.text
         assert httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        # a body over LARGE_BODY_BYTES is decoded in a worker thread: same answers, same errors
+        big = {**body, "user": "u" * (2 << 20)}
+        assert httpx.post(s.url + "/v1/chat/completions", json=big, timeout=60).json()["usage"]["prompt_tokens"] \
+            == tokens[0]
+        r = httpx.post(s.url + "/v1/chat/completions", json={**big, "max_tokens": "many"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 

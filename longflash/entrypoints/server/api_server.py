@@ -123,6 +123,12 @@ def _chat_ids(engine, messages: list[ChatMessage], add_generation_prompt: bool, 
         raise ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}") from e
 
 
+def _max_tokens_field(req) -> str:
+    """The output-length field a request set: a chat request's ``max_completion_tokens`` (OpenAI's newer
+    name) if given, else ``max_tokens``; errors about the length name it."""
+    return "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+
+
 # Bodies above this many bytes are decoded and validated in a worker thread (a 12 MB chat body with
 # 400,000 content parts held the event loop for ~2 s: found by a fresh user).
 LARGE_BODY_BYTES = 1 << 20
@@ -227,7 +233,7 @@ class _Server:
             raise ApiError(400, f"best_of is not supported (vLLM V1 dropped it); leave it out or equal to n, got "
                            f"best_of={req.best_of} with n={req.n}", param="best_of", code="invalid_value")
         if max_tokens is not None and max_tokens < 1:
-            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            name = _max_tokens_field(req)
             raise ApiError(400, f"{name} must be >= 1, got {max_tokens}", param=name, code="invalid_value")
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "stream_options can only be set when stream is true", param="stream_options",
@@ -597,8 +603,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             kwargs["chat_template"] = req.chat_template
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs), params,
-                                max_tokens is None, "max_completion_tokens" if req.max_completion_tokens is not None
-                                else "max_tokens")
+                                max_tokens is None, _max_tokens_field(req))
         created = int(time.time())
 
         if not req.stream:

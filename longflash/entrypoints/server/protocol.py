@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from longflash.entrypoints.chat_utils import content_text
+from longflash.entrypoints.chat_utils import ROLES, content_text
 
 
 class _Strict(BaseModel):
@@ -85,7 +85,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
 

@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+class _DefaultMaxTokens(int):
+    """The default ``max_tokens`` (16, vLLM's), marked as not chosen by the caller: the engine caps it at
+    the room left in the context (``LLMEngine.max_output_tokens``) where an explicit value is refused.
+    An ``int`` in every other way, so code that reads ``max_tokens`` sees 16."""
+
+
+DEFAULT_MAX_TOKENS = _DefaultMaxTokens(16)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output tokens.
@@ -18,7 +27,10 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens whose probability is below min_p times the top probability; 0 disables it.
         seed: per-request RNG seed; the same seed gives the same tokens.
-        max_tokens: maximum number of generated tokens (>= 1).
+        max_tokens: maximum number of generated tokens (>= 1); None = the rest of the context
+            (``max_model_len`` - prompt length, as vLLM). Left out: 16, capped at the rest of the context
+            (a prompt that leaves fewer than 16 tokens is not refused); an explicit value that does not fit
+            in the context with the prompt is refused by the engine.
         stop: strings that end generation; the matched string is not part of the output text.
         stop_token_ids: token ids that end generation (kept in the token ids, not in the text, as in vLLM V1).
         ignore_eos: keep generating past the EOS token.
@@ -47,7 +59,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -72,6 +84,11 @@ class SamplingParams:
         self.validate()
 
     @property
+    def max_tokens_is_default(self) -> bool:
+        """True when ``max_tokens`` was left out (the default 16, capped at the room in the context)."""
+        return isinstance(self.max_tokens, _DefaultMaxTokens)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -85,7 +102,7 @@ class SamplingParams:
             if not _is_real(getattr(self, name)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         for name in ("top_k", "max_tokens"):
-            if not _is_int(getattr(self, name)):
+            if not _is_int(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.logprobs is not None and not _is_int(self.logprobs):
             raise ValueError(f"logprobs must be an integer or None, got {self.logprobs!r}")
@@ -109,7 +126,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is None or self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
@@ -126,7 +143,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):

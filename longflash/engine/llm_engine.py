@@ -7,7 +7,7 @@ import logging
 import numbers
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -438,23 +438,45 @@ class LLMEngine:
         return str(self._counter)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError naming the problem: empty prompt, token out of vocabulary, too long."""
+        """Raises ValueError naming the problem: empty prompt, token out of vocabulary, too long
+        (:meth:`max_output_tokens`)."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is required")
         bad = [t for t in prompt_token_ids if not (0 <= int(t) < self.vocab_size)]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            if len(prompt_token_ids) >= self.max_model_len:  # whatever max_tokens is (it may be a default)
-                raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                                 f"prompt alone has {len(prompt_token_ids)} tokens (room for at least one generated "
-                                 "token is needed)")
+        self.max_output_tokens(len(prompt_token_ids), params)
+
+    def max_output_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """The output-length limit of a request: the one place that decides it (``LLM`` and the server).
+
+        ``params.max_tokens`` None: the room left in the context, ``max_model_len - prompt_len`` (vLLM's
+        rule for an unset limit; the server's default); left out (``SamplingParams``' default 16):
+        ``min(16, room)``; an explicit value: itself.
+        Raises ValueError when the prompt alone fills the context (naming the prompt length and
+        max_model_len, whatever max_tokens is), when an explicit max_tokens does not fit beside the prompt
+        (naming max_tokens), or when min_tokens exceeds a limit the caller did not set.
+        """
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                             f"prompt alone has {prompt_len} tokens (room for at least one generated token is "
+                             "needed)")
+        if params.max_tokens is None or params.max_tokens_is_default:
+            limit = room if params.max_tokens is None else min(int(params.max_tokens), room)
+            if params.min_tokens > limit:
+                raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {limit} output tokens that fit: "
+                                 f"max_model_len {self.max_model_len} - {prompt_len} prompt tokens")
+            return limit
+        if params.max_tokens > room:
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but "
-                             f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} exceed it")
+                             f"{prompt_len} prompt tokens + max_tokens {params.max_tokens} exceed it")
+        return params.max_tokens
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams,
                     arrival_time: float | None = None) -> str:
-        """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids": [...]}``.
+        """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids": [...]}``. A left-out or
+        None ``params.max_tokens`` is resolved by :meth:`max_output_tokens` on a copy of ``params``.
 
         Returns the request id. Raises ValueError (nothing is queued) for invalid input (also logprobs
         above ``max_logprobs``), RuntimeError after :meth:`shutdown`.
@@ -489,6 +511,10 @@ class LLMEngine:
             raise ValueError(f"n must be 1 for LLMEngine.add_request, got {params.n}; LLM.generate and the "
                              "server fan n > 1 out into n requests")
         self.validate_prompt(ids, params)
+        limit = self.max_output_tokens(len(ids), params)
+        if limit != params.max_tokens or params.max_tokens_is_default:  # a copy: the caller may reuse params
+            params = replace(params, max_tokens=limit, stop=list(params.stop),
+                             stop_token_ids=list(params.stop_token_ids))
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -252,8 +252,8 @@ class _Server:
         try:
             return SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
                                   top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=req.seed,
-                                  # An omitted max_tokens is set on the engine thread (``add``).
-                                  max_tokens=max_tokens or max(req.min_tokens, 1), stop=req.stop,
+                                  # None (left out): the rest of the context (LLMEngine.max_output_tokens).
+                                  max_tokens=max_tokens, stop=req.stop,
                                   stop_token_ids=req.stop_token_ids,
                                   ignore_eos=req.ignore_eos, logprobs=logprobs,
                                   skip_special_tokens=req.skip_special_tokens, n=req.n,
@@ -265,8 +265,7 @@ class _Server:
             raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
 
     async def add(self, request_id: str, prompt_fn: Callable[[Any], list[int]] | list[Callable[[Any], list[int]]],
-                  params: SamplingParams, default_max_tokens: bool,
-                  max_tokens_field: str = "max_tokens") -> list[RequestStream]:
+                  params: SamplingParams, max_tokens_field: str = "max_tokens") -> list[RequestStream]:
         """Queue a request whose token ids ``prompt_fn(engine)`` computes (once) on the engine thread:
         ``params.n`` engine requests (``parallel_sampling.py``), one stream each, choice i = stream i.
         A list of prompt functions (a batch of prompts) queues ``params.n`` requests per prompt, prompt p's
@@ -283,10 +282,7 @@ class _Server:
                 def build(engine):
                     if not prompt_ids:
                         prompt_ids.append(fn(engine))
-                    ids = list(prompt_ids[0])
-                    if default_max_tokens:  # vLLM's default: the rest of the context window
-                        child.max_tokens = max(engine.max_model_len - len(ids), 1)
-                    return {"prompt_token_ids": ids}, child
+                    return {"prompt_token_ids": list(prompt_ids[0])}, child
                 return build
 
             children = child_params(dataclasses.replace(params, stop=list(params.stop),
@@ -295,9 +291,10 @@ class _Server:
         try:
             return await self.ae.add_requests(items)
         except ValueError as e:
-            param = _param_of(str(e))
-            raise ApiError(400, str(e), param=max_tokens_field if param == "max_tokens" else param,
-                           code="invalid_value") from None
+            msg, param = str(e), _param_of(str(e))
+            if param == "max_tokens":  # the engine's word for the limit; name the field the request set
+                msg, param = msg.replace("max_tokens", max_tokens_field), max_tokens_field
+            raise ApiError(400, msg, param=param, code="invalid_value") from None
         except EngineRequestError as e:
             raise ApiError(503, str(e), code=_unavailable_code(e)) from None
 
@@ -525,7 +522,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
 
         rid = f"cmpl-{uuid.uuid4().hex}"
         # A batch of prompts (vLLM): prompt p's n choices are choices p*n .. p*n + n - 1; one command queues all.
-        streams = await srv.add(rid, [prompt_fn_of(p) for p in prompts], params, req.max_tokens is None)
+        streams = await srv.add(rid, [prompt_fn_of(p) for p in prompts], params)
         n_choices = params.n
         created = int(time.time())
         want_lp = req.logprobs is not None
@@ -603,7 +600,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             kwargs["chat_template"] = req.chat_template
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs), params,
-                                max_tokens is None, _max_tokens_field(req))
+                                _max_tokens_field(req))
         created = int(time.time())
 
         if not req.stream:

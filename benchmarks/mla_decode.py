@@ -41,6 +41,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=125.0, help="stop adding rows after this many seconds")
     ap.add_argument("--short-splits-only", action="store_true",
                     help="only the batch-1 short-context split-count sweep (and the checks)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="CACHE:QLEN",
+                    help="sweep and main table only for these (cache, q_len) pairs, e.g. fp8:1; no extras")
     return ap.parse_args(argv)
 
 
@@ -79,6 +81,11 @@ def out_path(name: str) -> str:
 def save() -> None:
     with open(out_path("mla_decode.json"), "w") as f:
         json.dump(RESULT, f, indent=1)
+
+
+def wanted(dtype: str, q_len: int) -> bool:
+    """Whether ``--only`` (if given) names this (cache, q_len) pair."""
+    return ARGS.only is None or f"{dtype}:{q_len}" in ARGS.only
 
 
 def over_budget() -> bool:
@@ -260,7 +267,7 @@ def fmt_row(r: dict) -> str:
     c = r["config"]
     cfg = (f"M{c['BLOCK_M']} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}{' vr' if c.get('V_RELOAD') else ''}"
            f"{' T' if c.get('TRANS') else ''}{' f16' if c.get('F16') else ''}{' pre' if c.get('PREFETCH') else ''}"
-           f"{' cvt' if c.get('CVT_SMEM') else ''}")
+           f"{' cvt' if c.get('CVT_SMEM') else ''}{' r' + str(c['maxnreg']) if c.get('maxnreg') else ''}")
     return (f"| {r['dtype']} | {r['B']} | {r['ctx']} | {r['q_len']} | {r['heads']} | {r['block_size']} | "
             f"{r['time_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['GBps']:.0f} | {r['bw_frac']:.3f} | "
             f"{r['roofline_frac']:.3f} ({r['bound']}) | {r['splits']} | {cfg} |")
@@ -377,6 +384,8 @@ def main() -> None:
     chosen: dict = {}
     for ql in QLENS:
         for d in ("bf16", "fp8"):
+            if not wanted(d, ql):
+                continue
             timed = []
             for cfg in tk.candidate_configs(ql * H, FP8 if d == "fp8" else torch.bfloat16):
                 if over_budget():
@@ -400,7 +409,8 @@ def main() -> None:
                 chosen[(d, ql)] = min(timed, key=lambda r: r["time_us"])["config"]
     RESULT["chosen"] = {f"{d} q_len {ql}": c for (d, ql), c in chosen.items()}
     # 3. the main table with the chosen configs, q_len 1 first (the bandwidth goal), then q_len 8
-    plan = [(d, B, L, ql) for ql in QLENS for d in ("bf16", "fp8") for B in BATCHES for L in CONTEXTS]
+    plan = [(d, B, L, ql) for ql in QLENS for d in ("bf16", "fp8") for B in BATCHES for L in CONTEXTS
+            if wanted(d, ql)]
     for d, B, L, ql in plan:
         if over_budget():
             RESULT["skipped"].append([d, B, L, ql])
@@ -410,6 +420,11 @@ def main() -> None:
         if "time_us" in r:
             print(fmt_row(r), flush=True)
         save()
+    if ARGS.only:
+        RESULT["total_s"] = time.perf_counter() - T0
+        save()
+        print(write_md())
+        return
     # 4. split count at B=1, 128K, q_len 1; 5. extras: 128 heads, block size 64
     for d in ("bf16", "fp8"):
         for S in ((None, 32, 66, 132, 264) if CUDA else (None, 4)):

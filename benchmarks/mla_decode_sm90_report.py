@@ -33,13 +33,14 @@ PTXAS = os.path.join(BIN, "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, sig: dict, const: dict, div: list[str], num_warps: int, num_stages: int):
+def _compile(fn, sig: dict, const: dict, div: list[str], num_warps: int, num_stages: int, maxnreg=None):
     for k in const:
         sig[k] = "constexpr"
     names = list(sig)
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
-    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                           **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def stage1(fp8: bool, cfg: dict, split: bool = True, qdt: str = "bf16", has_vis: bool = False, R=512, P=64,
@@ -57,7 +58,7 @@ def stage1(fp8: bool, cfg: dict, split: bool = True, qdt: str = "bf16", has_vis:
                  CVT_SMEM=f16 and not cfg.get("PREFETCH") and bool(cfg.get("CVT_SMEM")), INTERPRET=False)
     div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr", "H",
            "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
-    return _compile(m._mla_decode_stage1, sig, const, div, cfg["num_warps"], cfg["num_stages"])
+    return _compile(m._mla_decode_stage1, sig, const, div, cfg["num_warps"], cfg["num_stages"], cfg.get("maxnreg"))
 
 
 def stage2(block_s: int, block_c: int, qdt: str = "bf16"):

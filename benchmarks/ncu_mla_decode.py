@@ -27,7 +27,8 @@ SCALE = 192 ** -0.5
 K_SCALE = 0.0625
 FP8 = torch.float8_e4m3fn
 # keys over default_config(16 rows, fp8): the version-3 tile (convert once after the pipelined loads)
-VARIANTS = {"cvt": {"V_RELOAD": False, "F16": True, "CVT_SMEM": True}}
+VARIANTS = {"cvt": {"V_RELOAD": False, "F16": True, "CVT_SMEM": True},
+            "w8r128": {"num_warps": 8, "maxnreg": 128, "occupancy": 2}}  # 8 warps, 2 programs per SM
 
 
 def build(dtype: str, batch: int, ctx: int, seed: int = 0):

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of the MLA decode kernel's stage 1 at B 16 x 32K (issue 10, benchmark 5):
-# fp8 default (V reload, fp16 dots), fp8 version 3 (convert once), bf16 default. One device call:
+# fp8 default (V reload, fp16 dots), fp8 version 3 (convert once), bf16 default (CASES="dtype:config ..."
+# overrides). One device call:
 #   bash benchmarks/ncu_mla_decode.sh        (writes $OUT/ncu/*.ncu-rep, *.details.txt, *.source.csv)
 # --clock-control none: the device README asks to leave the clocks alone.
 set -u
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 D=$OUT/ncu; mkdir -p "$D"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-for case in "fp8 default" "fp8 cvt" "bf16 default"; do
-  set -- $case; name=${1}_$2
+CASES=${CASES:-"fp8:default fp8:cvt bf16:default"}
+for case in $CASES; do
+  set -- ${case/:/ }; name=${1}_$2
   timeout 150 "$NCU" --clock-control none --set full --import-source no -k regex:_mla_decode_stage1 \
     --launch-skip 2 --launch-count 1 -f -o "$D/$name" \
     python3 benchmarks/ncu_mla_decode.py --dtype "$1" --config "$2" > "$D/$name.log" 2>&1

@@ -325,8 +325,9 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     next tile's bytes loaded into registers during this tile, converted once for both dots),
     CVT_SMEM (with F16, not PREFETCH; optional key, default False: the tile's bytes loaded in the loop
     as usual, so Triton pipelines them with cp.async, then converted once in their load layout and the
-    fp16 tile fed to both dots through shared memory; no V reload), occupancy (programs resident per
-    SM, from registers and shared memory; used by the split count).
+    fp16 tile fed to both dots through shared memory; no V reload), maxnreg (optional key, default None:
+    a cap on registers per thread, so more programs fit an SM), occupancy (programs resident per SM,
+    from registers and shared memory; used by the split count).
     The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
     sweep at B = 16, 32K, ``chosen``): <= 16 rows bf16 M16 N64 w4 s2 (0.84 of copy bandwidth there, 0.95-1.00
     at B 16/64 x 128K), fp8 M16 N32 w4 s3 with V reload and fp16 dots (0.34; 0.36-0.37 at 128K); 128 rows
@@ -363,13 +364,26 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
             # version 3: convert once after the pipelined loads (sm_90 report in benchmarks/NOTES.md);
             # occupancy from shared memory (N32: 74-111 KB, two per SM; N64: 129-166 KB, one per SM)
             cvt = dict(base, V_RELOAD=False, F16=True, CVT_SMEM=True)
-            cands = [base, dict(base, num_warps=8), dict(base, F16=True), pre, dict(pre, BLOCK_N=64),
+            # version 4 (session 21): the Nsight Compute profile of v2/v3 at B16/32K shows a latency-bound
+            # loop (issue slots 24-50 % busy, 0.3 eligible warps per scheduler, stalls on shared-memory
+            # and MMA dependencies) at 2 warps per scheduler, the occupancy that 248-255 registers and
+            # 72-92 KB of shared memory allow; a register cap lets 3 programs (s2) or 8-warp programs fit
+            # (sm_90 compile reports: w8 r128 128 registers, 24 B of spills, 89 KB; N64 w8 r128 508 B, 90 KB;
+            # s2 r168 352 B, 54 KB; cvt w8 r128 580 B; cvt s2 r168 996 B)
+            occ = [dict(d, num_warps=8, maxnreg=128, occupancy=2),
+                   dict(d, BLOCK_N=64, num_warps=8, num_stages=2, maxnreg=128, occupancy=2),
+                   dict(d, num_stages=2, maxnreg=168, occupancy=3), dict(cvt, num_warps=8, maxnreg=128, occupancy=2),
+                   dict(cvt, num_stages=2, maxnreg=168, occupancy=3)]
+            cands = [*occ, base, dict(base, num_warps=8), dict(base, F16=True), pre, dict(pre, BLOCK_N=64),
                      dict(pre, num_warps=4, occupancy=2), cvt, dict(cvt, num_stages=4), dict(cvt, num_stages=2),
                      dict(cvt, BLOCK_N=64, num_stages=2, occupancy=1), dict(cvt, BLOCK_N=64, num_stages=3, occupancy=1),
                      dict(cvt, BLOCK_N=64, num_stages=2, num_warps=8, occupancy=1)]
         else:
             t = dict(base, BLOCK_N=64, num_stages=2, TRANS=True, occupancy=1)
-            cands = [base, dict(base, num_warps=8), dict(base, BLOCK_N=64, num_stages=2), t, dict(t, num_warps=8)]
+            # session 21: 8 warps under a 128-register cap, two programs per SM (sm_90: no spills, 93-94 KB)
+            occ = [dict(d, num_warps=8, maxnreg=128, occupancy=2),
+                   dict(d, BLOCK_N=32, num_stages=3, num_warps=8, maxnreg=128, occupancy=2)]
+            cands = [*occ, base, dict(base, num_warps=8), dict(base, BLOCK_N=64, num_stages=2), t, dict(t, num_warps=8)]
     elif fp8:
         cands = [dict(d, BLOCK_N=32, num_stages=3), dict(d, F16=True),
                  dict(d, BLOCK_N=32, num_stages=1, F16=True, PREFETCH=True)]
@@ -537,7 +551,8 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                   BLOCK_SIZE=block_size, FP8=fp8, HW_FP8=not interp, HAS_VIS=visible_lens is not None,
                   DOT_IEEE=q.dtype == torch.float32 or interp, V_RELOAD=bool(cfg["V_RELOAD"]) and not (pre or cvt),
                   TRANS=bool(cfg.get("TRANS", False)), F16=f16, PREFETCH=pre, CVT_SMEM=cvt,
-                  INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                  **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not interp else {}))
     grid = (groups, S, B)
     qk_scale = float(scale) * ks * LOG2E
     if S == 1:

@@ -1,19 +1,43 @@
 """Chat messages as the tokenizer's chat template takes them, for ``LLM.chat`` and the server.
 
-OpenAI messages carry ``content`` as a string, as a list of content parts, or as null. Chat templates
-expect a string, so the text parts are joined with ``"\\n"`` (vLLM's convention, so that prompts equal
-vLLM's); a null content becomes ``""``. Parts of any other type (``image_url``, ``input_audio``, ...) are
-refused: the models this engine serves take text only.
+OpenAI messages carry ``content`` as a string, as a list of content parts, or as null. How a template
+wants it is the *content format* (vLLM's ``--chat-template-content-format``):
+
+- ``string``: one string; text parts joined with ``"\\n"`` (vLLM's convention, so that prompts equal
+  vLLM's), null content ``""``.
+- ``openai``: a list of ``{"type": "text", "text": ...}`` parts; a string content becomes one part, null
+  content ``[]`` (as vLLM).
+- ``auto`` (the default): ``openai`` when the template loops over a message's content
+  (``{% for part in message['content'] %}``, ``message.content``, through filters, tests and slices, where
+  ``message`` is the variable of a loop over ``messages`` or over a variable set from it), else
+  ``string`` (vLLM's detection rule, ``vllm/entrypoints/chat_utils.py``), found with jinja2's parser.
+
+Parts of any other type (``image_url``, ``input_audio``, ...) are refused: the models this engine serves
+take text only.
 """
 from __future__ import annotations
 
+import functools
+import logging
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+
+logger = logging.getLogger("longflash.chat")
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-def normalize_messages(messages) -> list[dict]:
+def normalize_messages(messages, content_format: str = "string") -> list[dict]:
     """``messages``: a non-empty list of dicts with ``role`` (one of ``ROLES``) and ``content`` (str, a
-    list of ``{"type": "text", "text": str}`` parts, or None). Returns new dicts with string content
-    (other keys, e.g. ``name``, kept). Raises ValueError naming the message and the problem."""
+    list of ``{"type": "text", "text": str}`` parts, or None). ``content_format``: ``string`` or ``openai``
+    (see the module docstring; resolve ``auto`` first with :func:`resolve_content_format`). Returns new
+    dicts with the content in that format (other keys, e.g. ``name``, kept). Raises ValueError naming the
+    message and the problem, or the bad ``content_format``."""
+    if content_format not in ("string", "openai"):
+        raise ValueError(f"content_format must be 'string' or 'openai' (resolve 'auto' first), got {content_format!r}")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
@@ -22,25 +46,32 @@ def normalize_messages(messages) -> list[dict]:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
         if m.get("role") not in ROLES:
             raise ValueError(f"message {i}: role must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
-        d = dict(m)
-        d["content"] = content_text(m.get("content"), where=f"message {i}")
+        texts = content_texts(m.get("content"), where=f"message {i}")
         try:
-            d["content"].encode("utf-8")
+            "".join(texts).encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(f"message {i}: content is not valid Unicode text (a lone surrogate?)") from None
+        d = dict(m)
+        d["content"] = "\n".join(texts) if content_format == "string" else [{"type": "text", "text": t} for t in texts]
         out.append(d)
     return out
 
 
 def content_text(content, where: str = "") -> str:
     """A message's ``content`` (str, list of text parts, or None) as one string; text parts joined with
-    ``"\\n"``. Raises ValueError for a part that is not ``{"type": "text", "text": str}`` (the message
-    starts with ``where``, e.g. "message 2", when given)."""
+    ``"\\n"``. Raises ValueError as :func:`content_texts`."""
+    return "\n".join(content_texts(content, where))
+
+
+def content_texts(content, where: str = "") -> list[str]:
+    """The texts of a message's ``content``: ``[content]`` for a string, ``[]`` for None, each part's
+    ``text`` for a list. Raises ValueError for a part that is not ``{"type": "text", "text": str}`` (the
+    message starts with ``where``, e.g. "message 2", when given)."""
     pre = f"{where}: " if where else ""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, (list, tuple)):
         raise ValueError(f"{pre}content must be a string or a list of text parts, got {type(content).__name__}")
     texts = []
@@ -54,4 +85,82 @@ def content_text(content, where: str = "") -> str:
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{pre}content part {j} (type 'text') needs a string 'text'")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return texts
+
+
+def check_content_format(content_format: str) -> str:
+    """``content_format`` if it is one of ``CONTENT_FORMATS``, else ValueError naming the choices."""
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                         f"got {content_format!r}")
+    return content_format
+
+
+def resolve_content_format(content_format: str, tokenizer, chat_template: str | None = None) -> str:
+    """``string`` or ``openai``: ``content_format`` itself, or for ``auto`` the format detected from the
+    template that will render (``chat_template`` if given, else the tokenizer's; ``string`` when there is
+    none). Raises ValueError for a ``content_format`` outside ``CONTENT_FORMATS``."""
+    if check_content_format(content_format) != "auto":
+        return content_format
+    text = chat_template
+    if text is None and tokenizer is not None:
+        try:
+            text = tokenizer.get_chat_template()
+        except Exception:  # no template: applying it raises its own clear error
+            text = None
+    return detect_content_format(text) if isinstance(text, str) else "string"
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks assistant tokens when rendering):
+    parsed as its body, so that templates using it can be inspected."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        return nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True)).set_lineno(lineno)
+
+
+@functools.lru_cache(maxsize=64)
+def detect_content_format(chat_template: str) -> str:
+    """``openai`` when the Jinja ``chat_template`` loops over a message's content (module docstring),
+    else ``string``; also ``string`` (logged) when jinja2 cannot parse the template."""
+    try:
+        root = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock]).parse(chat_template)
+    except jinja2.TemplateSyntaxError as e:
+        logger.warning("cannot parse the chat template to detect its content format (%s); using 'string' "
+                       "(set --chat-template-content-format to choose)", e)
+        return "string"
+    loops = list(root.find_all(nodes.For))
+    message_vars = {loop.target.name for loop in loops
+                    if isinstance(loop.target, nodes.Name) and _reads(loop.iter, _set_from(root, "messages"))}
+    found = any(_reads(loop.iter, message_vars, key="content") for loop in loops) if message_vars else False
+    return "openai" if found else "string"
+
+
+def _set_from(root: nodes.Template, name: str) -> set[str]:
+    """``name`` and every variable ``{% set %}`` from it, directly or through another such variable."""
+    names = {name}
+    assigns = [a for a in root.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)]
+    grew = True
+    while grew:
+        new = {a.target.name for a in assigns if a.target.name not in names and _reads(a.node, names)}
+        names |= new
+        grew = bool(new)
+    return names
+
+
+def _reads(expr: nodes.Node, names: set[str], key: str | None = None) -> bool:
+    """``expr`` is a variable in ``names`` (with ``key``: its item ``['key']`` or attribute ``.key``),
+    possibly under filters, tests and slices (``messages | selectattr(...)``, ``messages[1:]``)."""
+    while isinstance(expr, (nodes.Filter, nodes.Test)) or (isinstance(expr, nodes.Getitem)
+                                                           and isinstance(expr.arg, nodes.Slice)):
+        expr = expr.node
+    if key is not None:
+        if isinstance(expr, nodes.Getitem) and isinstance(expr.arg, nodes.Const) and expr.arg.value == key:
+            expr = expr.node
+        elif isinstance(expr, nodes.Getattr) and expr.attr == key:
+            expr = expr.node
+        else:
+            return False
+    return isinstance(expr, nodes.Name) and expr.ctx == "load" and expr.name in names

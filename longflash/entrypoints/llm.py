@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from longflash.config import EngineConfig
 from longflash.default_model_path import default_model_path
 from longflash.engine.llm_engine import LLMEngine
-from longflash.entrypoints.chat_utils import normalize_messages
+from longflash.entrypoints.chat_utils import normalize_messages, resolve_content_format
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids, merge_outputs
 from longflash.outputs import RequestOutput
 from longflash.sampling_params import SamplingParams
@@ -121,18 +121,23 @@ class LLM:
         return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (a list of ``{"role", "content"}``
         dicts) or a list of them, and generate. ``content``: a string, a list of text parts
-        (``{"type": "text", "text": ...}``, joined with newlines as vLLM does), or None. Raises ValueError
-        naming the message for an empty conversation, a bad role, or a non-text part (e.g. ``image_url``)."""
+        (``{"type": "text", "text": ...}``), or None. ``chat_template_content_format`` (vLLM's): how the
+        template gets ``content``: ``string`` (text parts joined with newlines), ``openai`` (a list of text
+        parts), or ``auto`` (detected from the template; ``entrypoints/chat_utils.py``). Raises ValueError
+        naming the message for an empty conversation, a bad role, or a non-text part (e.g. ``image_url``),
+        and for a content format outside auto/string/openai."""
+        fmt = resolve_content_format(chat_template_content_format, self.engine.tokenizer)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty conversation (a list of {'role', 'content'} dicts) "
                              "or a non-empty list of them")
         convs = [messages] if isinstance(messages[0], dict) else messages
         prompts = []
         for conv in convs:
-            prompts.append({"prompt_token_ids": self.engine.apply_chat_template(normalize_messages(conv),
+            prompts.append({"prompt_token_ids": self.engine.apply_chat_template(normalize_messages(conv, fmt),
                                                                                 add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

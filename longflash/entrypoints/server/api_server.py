@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import longflash
-from longflash.entrypoints.chat_utils import normalize_messages
+from longflash.entrypoints.chat_utils import check_content_format, normalize_messages, resolve_content_format
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids
 from longflash.entrypoints.server.async_engine import (AsyncEngine, EngineRequestError, RequestStream, ServerShuttingDown,
                                                        merge_streams)
@@ -104,19 +104,24 @@ def _ids_of(encoded) -> list[int]:
     return [int(t) for t in encoded]
 
 
-def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Validated messages as the chat template takes them (``chat_utils.normalize_messages``: text parts
-    joined with newlines, as vLLM does)."""
-    return normalize_messages([m.model_dump(exclude_none=True) for m in messages])
+def _message_dicts(messages: list[ChatMessage], content_format: str) -> list[dict]:
+    """Validated messages as the chat template takes them (``chat_utils.normalize_messages``; content as
+    one string, text parts joined with newlines as vLLM does, or as a list of text parts)."""
+    return normalize_messages([m.model_dump(exclude_none=True) for m in messages], content_format)
 
 
-def _chat_ids(engine, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
-    """Apply the tokenizer's chat template. Runs on the engine thread. Raises ValueError."""
+def _chat_ids(engine, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None,
+              content_format: str = "auto") -> list[int]:
+    """Apply the chat template (``kwargs["chat_template"]`` or the tokenizer's), giving it message content
+    in ``content_format`` (``auto``: detected from that template; ``chat_utils.py``). Runs on the engine
+    thread. Raises ValueError."""
     if engine.tokenizer is None:
         raise ValueError("chat needs a tokenizer; the server was started with --skip-tokenizer-init")
+    kwargs = kwargs or {}
     try:
+        fmt = resolve_content_format(content_format, engine.tokenizer, kwargs.get("chat_template"))
         return _ids_of(engine.tokenizer.apply_chat_template(
-            _message_dicts(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **(kwargs or {})))
+            _message_dicts(messages, fmt), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs))
     except ValueError:
         raise
     except Exception as e:  # jinja2 errors, bad chat_template_kwargs
@@ -139,7 +144,7 @@ class _Server:
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], model_path: str,
                  metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, speculative_config: dict | None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, chat_template_content_format: str = "auto"):
         self.ae = async_engine
         self.engine = async_engine.engine
         self.names = served_model_names
@@ -150,6 +155,7 @@ class _Server:
         self.max_logprobs = self.engine.config.max_logprobs  # the engine argument (--max-logprobs)
         self.speculative_config = speculative_config
         self.trust_request_chat_template = trust_request_chat_template
+        self.content_format = check_content_format(chat_template_content_format)
         self.created = int(time.time())
         gc = self.engine.generation_config
         self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gc}
@@ -395,12 +401,15 @@ def _held_back(params: SamplingParams) -> int:
 
 def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_path: str, metrics: ServerMetrics,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              speculative_config: dict | None = None, trust_request_chat_template: bool = False) -> FastAPI:
+              speculative_config: dict | None = None, trust_request_chat_template: bool = False,
+              chat_template_content_format: str = "auto") -> FastAPI:
     """The FastAPI app. Starts ``async_engine`` on start-up and stops it on shutdown. A request's own
     ``chat_template`` is refused unless ``trust_request_chat_template`` (vLLM's
-    ``--trust-request-chat-template``): templates run on the engine thread, so one could stall every user."""
+    ``--trust-request-chat-template``): templates run on the engine thread, so one could stall every user.
+    ``chat_template_content_format`` (vLLM's ``--chat-template-content-format``): auto, string or openai
+    (``chat_utils.py``); ValueError for another value."""
     srv = _Server(async_engine, served_model_names, model_path, metrics, api_key, max_body_bytes, speculative_config,
-                  trust_request_chat_template)
+                  trust_request_chat_template, chat_template_content_format)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -466,7 +475,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             if engine.tokenizer is None:
                 raise ValueError("the server was started with --skip-tokenizer-init")
             if req.messages is not None:
-                return _chat_ids(engine, req.messages, req.add_generation_prompt, None)
+                return _chat_ids(engine, req.messages, req.add_generation_prompt, None, srv.content_format)
             return list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
 
         try:
@@ -599,8 +608,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
                                param="chat_template", code="invalid_value")
             kwargs["chat_template"] = req.chat_template
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs), params,
-                                _max_tokens_field(req))
+        streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs, srv.content_format),
+                                params, _max_tokens_field(req))
         created = int(time.time())
 
         if not req.stream:

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from longflash.config import parse_bytes
+from longflash.entrypoints.chat_utils import CONTENT_FORMATS
 
 logger = logging.getLogger("longflash.server")
 
@@ -40,6 +41,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template in chat requests (off by default, as in vLLM: a template runs on "
                         "the engine thread, so a costly one stalls every request)")
+    p.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="how the chat template gets a message's content: 'string' (text parts joined with "
+                        "newlines), 'openai' (a list of {'type': 'text', 'text': ...} parts), or 'auto' (default: "
+                        "'openai' when the template loops over message['content'], else 'string'; as vLLM)")
 
 
 def _bind_error(host: str, port: int) -> str | None:
@@ -109,7 +114,8 @@ def run_server(args: argparse.Namespace) -> int:
     metrics.update(engine)
     app = build_app(async_engine, names, config.model, metrics, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes,
-                    speculative_config=spec, trust_request_chat_template=args.trust_request_chat_template)
+                    speculative_config=spec, trust_request_chat_template=args.trust_request_chat_template,
+                    chat_template_content_format=args.chat_template_content_format)
     logger.info("serving %s as %s on http://%s:%d", config.model, ", ".join(names), args.host, args.port)
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

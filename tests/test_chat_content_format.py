@@ -107,20 +107,21 @@ def test_offline_chat_string_template_renders_as_before(tmp_path):
     assert out.prompt_token_ids == encode(STRING_TEXT)
 
 
-def tokenize(app, body: dict) -> list[int]:
+def post(app, path: str, body: dict) -> httpx.Response:
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.post("/tokenize", json=body)
-    r = asyncio.run(run())
+            return await c.post(path, json=body)
+    return asyncio.run(run())
+
+
+def tokenize(app, body: dict) -> list[int]:
+    r = post(app, "/tokenize", body)
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
 
 
 def chat_prompt_tokens(app, body: dict) -> int:
-    async def run():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.post("/v1/chat/completions", json={"max_tokens": 1, "temperature": 0, **body})
-    r = asyncio.run(run())
+    r = post(app, "/v1/chat/completions", {"max_tokens": 1, "temperature": 0, **body})
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens"]
 
@@ -141,5 +142,11 @@ def test_server_chat_content_format(parts_model, llm):
         assert chat_prompt_tokens(auto, {"messages": MSGS}) == len(encode(PARTS_TEXT))
         # auto follows the template that renders: a request's own (string) template
         assert chat_prompt_tokens(auto, {"messages": MSGS, "chat_template": CHAT_TEMPLATE}) == len(encode(STRING_TEXT))
+        assert chat_prompt_tokens(auto, {"messages": MSGS, "chat_template_kwargs": {"chat_template": CHAT_TEMPLATE}}
+                                  ) == len(encode(STRING_TEXT))
+        # without --trust-request-chat-template, chat_template_kwargs cannot carry a template either (it did)
+        r = post(string, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1,
+                                                  "chat_template_kwargs": {"chat_template": CHAT_TEMPLATE}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.chat_template", r.text
     finally:
         ae.shutdown()

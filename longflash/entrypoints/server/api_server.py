@@ -601,6 +601,10 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
+        if "chat_template" in kwargs and not srv.trust_request_chat_template:  # the same template by another door
+            raise ApiError(400, "chat_template_kwargs may not set chat_template unless the server is started with "
+                           "--trust-request-chat-template (a template runs on the engine thread)",
+                           param="chat_template_kwargs.chat_template", code="invalid_value")
         if req.chat_template is not None:
             if not srv.trust_request_chat_template:
                 raise ApiError(400, "a request chat_template is refused unless the server is started with "

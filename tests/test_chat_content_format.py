@@ -29,8 +29,9 @@ PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
 MSGS = [{"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
 # What PARTS_TEMPLATE must render for MSGS (a string content is one part).
-PARTS_TEXT = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello | world<|im_end|>\n<|im_start|>assistant\n"
-STRING_TEXT = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello\nworld<|im_end|>\n<|im_start|>assistant\n"
+SYSTEM = "<|im_start|>system\nbe brief<|im_end|>\n"
+PARTS_TEXT = SYSTEM + "<|im_start|>user\nhello | world<|im_end|>\n<|im_start|>assistant\n"
+STRING_TEXT = SYSTEM + "<|im_start|>user\nhello\nworld<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.mark.parametrize("template, fmt", [
@@ -69,7 +70,7 @@ def test_normalize_messages_openai_format():
 
 
 def test_invalid_content_format_is_a_clear_error():
-    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai, got 'json'"):
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai, got 'json"):
         resolve_content_format("json", None)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--chat-template-content-format", "json"])

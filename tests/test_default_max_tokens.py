@@ -98,7 +98,8 @@ def test_server_left_out_max_tokens_is_the_rest_of_the_context(app):
                                          ("/v1/completions", {"prompt": ids(60), "n": 2, **GREEDY}),
                                          ("/v1/chat/completions", chat)])
     assert r_cmpl.status_code == 200, r_cmpl.text
-    assert r_cmpl.json()["usage"]["completion_tokens"] == 14 and r_cmpl.json()["choices"][0]["finish_reason"] == "length"
+    cmpl = r_cmpl.json()
+    assert cmpl["usage"]["completion_tokens"] == 14 and cmpl["choices"][0]["finish_reason"] == "length"
     assert r_n.status_code == 200 and r_n.json()["usage"]["completion_tokens"] == 8  # 2 choices x 4
     usage = r_chat.json()["usage"]
     assert r_chat.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN

@@ -208,9 +208,11 @@ def test_chained_drafts_equal_fresh_proposals():
 
 
 def test_fused_projections_equal_unfused():
-    """GatedMLP.fuse_gate_up (gate + up in one GEMM) and the drafter's fuse_projections (k + v, gate +
-    up), which the GPU engine applies: the target's logits and the drafter's padded block forward are
-    unchanged (fp32 rounding), and the parameters are views of the fused weights (no second copy)."""
+    """GatedMLP.fuse_gate_up (gate + up in one GEMM), MLAAttention.fuse_qkv_a (q_a + kv_a in one GEMM)
+    and the drafter's fuse_projections (k + v, gate + up), which the GPU engine applies: the target's
+    logits and the drafter's padded block forward are unchanged (fp32 rounding), and the parameters are
+    views of the fused weights (no second copy)."""
+    from longflash.attention.mla import MLAAttention
     from longflash.layers.mlp import GatedMLP
     engine = LLM(**KW).engine
     sched, reqs, _ = _decoding_step(engine)
@@ -229,6 +231,11 @@ def test_fused_projections_equal_unfused():
     mlps = [m for m in engine.model.modules() if isinstance(m, GatedMLP)]
     for m in mlps:
         m.fuse_gate_up()
+    mla = [m for m in engine.model.modules() if isinstance(m, MLAAttention)]
+    assert mla and all(m.q_lora_rank for m in mla)
+    for m in mla:
+        m.fuse_qkv_a()
+    assert all(m.kv_a_proj_with_mqa.weight.data_ptr() == m.qkv_a_weight[m.q_lora_rank:].data_ptr() for m in mla)
     drafter.fuse_projections()
     assert all(m.gate_proj.weight.data_ptr() == m.gate_up_weight.data_ptr() for m in mlps)
     attn = drafter.layers[0].self_attn

@@ -13,6 +13,7 @@ Options for Kimi-K3: ``use_nope`` (the rope part exists but is not rotated) and 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longflash.attention import ops
@@ -87,6 +88,23 @@ class MLAAttention(nn.Module):
         self.k_scale_source: str = "default"
         self.calculate_kv_scales: bool = False
         self.context_workspace_rows: int = DEFAULT_CONTEXT_WORKSPACE_ROWS
+        self.qkv_a_weight: torch.Tensor | None = None  # [q_lora_rank + kv_lora_rank + rope, hidden] once fused
+
+    def fuse_qkv_a(self) -> None:
+        """Compute ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both replicated, both reading the layer's
+        normed input) with one GEMM from now on (inference; the engine calls it on GPUs, where a batch-1
+        decode step is a chain of small launches: vLLM's ``fused_qkv_a_proj`` does the same). The two
+        weights are copied into one [q_lora_rank + kv_lora_rank + rope, hidden] tensor and the parameters
+        become views of its rows (no second copy). A no-op without ``q_lora_rank``, for weights of
+        different dtypes or devices, or when already fused."""
+        if self.qkv_a_weight is not None or self.q_lora_rank is None:
+            return
+        q, kv = self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight
+        if q.dtype != kv.dtype or q.device != kv.device or type(q) is not type(kv):
+            return
+        w = torch.cat([q.detach(), kv.detach()])
+        q.data, kv.data = w[:q.shape[0]], w[q.shape[0]:]
+        self.qkv_a_weight = w
 
     # W_UK: [H, qk_nope, R], W_UV: [H, v, R] views of kv_b_proj.weight [H*(nope+v), R].
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,11 +119,16 @@ class MLAAttention(nn.Module):
         T = x.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if self.qkv_a_weight is not None:  # one GEMM for q_a and kv_a (fuse_qkv_a)
+                q_a, kv_a = F.linear(x, self.qkv_a_weight).split([self.q_lora_rank, self.qkv_a_weight.shape[0] -
+                                                                  self.q_lora_rank], dim=-1)
+            else:
+                q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(T, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_a = self.kv_a_proj_with_mqa(x)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         if self.rotary is not None:  # one launch on CUDA (cos/sin computed in-kernel), the reference elsewhere

@@ -330,15 +330,16 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     from registers and shared memory; used by the split count).
     The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
     sweep at B = 16, 32K, ``chosen``): <= 16 rows bf16 M16 N64 w4 s2 (0.84 of copy bandwidth there, 0.95-1.00
-    at B 16/64 x 128K), fp8 M16 N32 w4 s3 with V reload and fp16 dots (0.34; 0.36-0.37 at 128K); 128 rows
+    at B 16/64 x 128K; the third and fourth runs, f5c1d69 and 8d8d43d, measured M16 N32 w4 s3 faster at
+    B16/32K, 0.836 vs 0.778, and equal elsewhere, so it is the default since session 21), fp8 M16 N32 w4 s3 with V reload and fp16 dots (0.34; 0.36-0.37 at 128K); 128 rows
     M64 N64 w8 s2 for both caches. 17-32 rows were not measured (the first run's M32 N32 w4 s3).
     ``benchmarks/mla_decode.py`` times :func:`candidate_configs` against them."""
     fp8 = cache_dtype == FP8_DTYPE
     if max_query_rows <= 16 and fp8:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
                 "F16": True, "PREFETCH": False, "occupancy": 2}
-    if max_query_rows <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False, "TRANS": False,
+    if max_query_rows <= 16:  # M16 N32 w4 s3: the B16/32K sweep's best in runs 3 and 4 (0.836 vs N64 s2 0.778)
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": False, "TRANS": False,
                 "F16": False, "PREFETCH": False, "occupancy": 2}
     if max_query_rows <= 32:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": fp8, "TRANS": False,

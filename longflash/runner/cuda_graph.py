@@ -37,7 +37,8 @@ def prepare_uniform_model(model) -> None:
     """Make ``model``'s forward launch fewer kernels for uniform steps on a GPU (every rank of a TP/DCP
     engine does the same): bf16 routed experts stacked for the grouped, capture-safe MoE kernel
     (``MoE.stack_experts``), one GEMM for gate + up of every other ``GatedMLP`` (``fuse_gate_up``; the
-    routed experts keep views of their stacked weights instead). Parameters become views; no copy is kept."""
+    routed experts keep views of their stacked weights instead), one GEMM for MLA's q_a and kv_a
+    projections (``MLAAttention.fuse_qkv_a``). Parameters become views; no copy is kept."""
     routed = {id(e) for m in model.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList)
               for e in m.experts}
     for m in model.modules():
@@ -45,6 +46,8 @@ def prepare_uniform_model(model) -> None:
             m.stack_experts()
         if isinstance(m, GatedMLP) and id(m) not in routed:
             m.fuse_gate_up()
+        if hasattr(m, "fuse_qkv_a"):
+            m.fuse_qkv_a()
 
 
 def release_graphs(graphs: dict) -> None:

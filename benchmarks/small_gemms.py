@@ -1,0 +1,121 @@
+"""The small GEMMs of a batch-1 decode step (issue 10, benchmark 2's profile): formulations timed as
+CUDA-graph replays on the GPU, to pick the one the model uses.
+
+    python3 benchmarks/small_gemms.py --out DIR     (GPU; on the CPU: a tiny smoke run)
+
+1. MoE router logits, fp32 ``x · W_gate^T`` for T tokens, E experts, hidden K: ``F.linear`` (today),
+   ``torch.mv`` per token (T = 1 only), the transposed product ``(W · x^T)^T``, and the broadcast
+   product + row sum. The profile of the DeepSeek-V3-shaped model (E 64, K 2048) showed one 8x64-tile
+   GEMM of 12.5 us per MoE layer at T = 1: one program walks all of K.
+2. MLA's two input projections of the same normed hidden state, ``q_a_proj`` [q_lora_rank, K] and
+   ``kv_a_proj_with_mqa`` [kv_lora_rank + rope, K]: two GEMMs (today) vs one over the concatenated
+   weight, bf16.
+Each row: median us per call (20 replays of a graph of 20 calls, L2 not flushed: weights this small
+stay in L2 across decode steps only when nothing else runs, so this is a lower bound for all
+formulations alike), and the max abs difference from ``F.linear`` in fp64.
+Writes DIR/small_gemms.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+SHAPES_ROUTER = [(64, 2048), (256, 7168), (384, 7168)]  # (E, K): bench model, DeepSeek-V3, Kimi-K2
+SHAPES_QKV_A = [(1536, 576, 2048), (1536, 576, 7168)]  # (q_lora_rank, kv_lora_rank + rope, K)
+TOKENS = [1, 2, 4, 16, 64]
+
+
+def time_graph(fn, reps: int = 20, inner: int = 20) -> float:
+    """Median seconds per call of ``fn`` captured ``inner`` times in one CUDA graph (CPU: wall clock)."""
+    if not torch.cuda.is_available():
+        import time
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t) / inner
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3 / inner)
+    return statistics.median(ts)
+
+
+def router_rows(dev) -> list[dict]:
+    rows = []
+    for E, K in SHAPES_ROUTER:
+        w = torch.randn(E, K, device=dev) * K ** -0.5
+        for T in TOKENS:
+            x = torch.randn(T, K, device=dev)
+            ref = F.linear(x.double(), w.double())
+            forms = {"F.linear": lambda: F.linear(x, w), "mm(W, x^T)^T": lambda: torch.mm(w, x.t()).t(),
+                     "mul+sum": lambda: (x[:, None, :] * w[None]).sum(-1)}
+            if T == 1:
+                forms["mv"] = lambda: torch.mv(w, x[0])[None]
+            for name, fn in forms.items():
+                err = (fn().double() - ref).abs().max().item()
+                rows.append({"op": "router fp32", "shape": f"E{E} K{K}", "T": T, "form": name,
+                             "us": time_graph(fn) * 1e6, "max_abs_err": err})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def qkv_a_rows(dev, dtype) -> list[dict]:
+    rows = []
+    for Q, KV, K in SHAPES_QKV_A:
+        wq = (torch.randn(Q, K, device=dev) * K ** -0.5).to(dtype)
+        wkv = (torch.randn(KV, K, device=dev) * K ** -0.5).to(dtype)
+        wcat = torch.cat([wq, wkv])
+        for T in TOKENS:
+            x = torch.randn(T, K, device=dev).to(dtype)
+            for name, fn in {"two GEMMs": lambda: (F.linear(x, wq), F.linear(x, wkv)),
+                             "one GEMM": lambda: F.linear(x, wcat).split([Q, KV], dim=-1)}.items():
+                rows.append({"op": "q_a + kv_a", "shape": f"{Q}+{KV} K{K}", "T": T, "form": name,
+                             "us": time_graph(fn) * 1e6})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    if not cuda:  # smoke: one small shape each
+        SHAPES_ROUTER[:] = [(8, 64)]
+        SHAPES_QKV_A[:] = [(32, 16, 64)]
+        TOKENS[:] = [1, 4]
+    rows = router_rows(dev) + qkv_a_rows(dev, torch.bfloat16 if cuda else torch.float32)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "small_gemms.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f, indent=1)
+    lines = ["| op | shape | T | form | us | max abs err vs fp64 |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['op']} | {r['shape']} | {r['T']} | {r['form']} | {r['us']:.2f} | "
+              f"{r.get('max_abs_err', float('nan')):.2e} |" for r in rows]
+    with open(os.path.join(a.out, "small_gemms.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

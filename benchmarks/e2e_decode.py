@@ -288,9 +288,33 @@ def kernel_profile(engine, prompts: list[list[int]], steps: int = 6) -> dict:
                     for a in top]}
 
 
+def op_shape_profile(engine, prompts: list[list[int]], steps: int = 2, top: int = 30) -> list[dict]:
+    """An eager engine's decode steps under torch.profiler with CPU + CUDA activity and input shapes:
+    the PyTorch ops with the most device time, per input shape (which GEMM a kernel of the graph
+    profile is). Rows: op, input shapes, calls per step, device us per step."""
+    from torch.profiler import ProfilerActivity, profile
+    from longflash.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(None, {"prompt_token_ids": p}, params)
+    engine.step()
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    avgs = [a for a in prof.key_averages(group_by_input_shape=True) if a.key.startswith("aten::") and device_us(a) > 0]
+    avgs.sort(key=device_us, reverse=True)
+    return [{"op": a.key, "shapes": str(a.input_shapes)[:160], "per_step": a.count / steps,
+             "device_us_per_step": device_us(a) / steps} for a in avgs[:top]]
+
+
 def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev: torch.device, peak_gbs: float,
                max_model_len: int, enforce_eager: bool, hf_tokens: dict[int, list[list[int]]],
-               profile_deadline: float) -> dict:
+               profile_deadline: float, op_shapes: bool = False) -> dict:
     """longflash on the checkpoint at ``path``: per batch a warm-up run of the same shape (4 tokens),
     the timed ``run_offline`` and its roofline, greedy tokens vs HF's (``hf_tokens``: batch -> rows),
     and on a GPU a kernel profile while ``elapsed() < profile_deadline``."""
@@ -330,6 +354,10 @@ def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev
             r["greedy_vs_hf"] = {"tokens_per_row": len(ref[0]), "matching_prefix_per_row": agree,
                                  "ours_row0": ours[0], "hf_row0": ref[0]}
             log(f"longflash {name} batch {b}: greedy tokens equal to HF's for the first {agree} of {len(ref[0])}")
+        if op_shapes and enforce_eager and dev.type == "cuda" and b == min(prompts):
+            r["op_shapes"] = op_shape_profile(engine, rows)
+            for o in r["op_shapes"]:
+                log(f"  {o['device_us_per_step']:8.1f} us/step x{o['per_step']:5.1f} {o['op']} {o['shapes']}")
         if dev.type == "cuda" and elapsed() < profile_deadline:
             try:
                 r["profile"] = kernel_profile(engine, rows)
@@ -402,6 +430,8 @@ def main() -> int:
                     help="wall-clock target: later HF experts implementations, the eager run and the kernel "
                          "profiles are skipped when they would not fit")
     ap.add_argument("--skip-eager", action="store_true", help="do not run longflash --enforce-eager")
+    ap.add_argument("--op-shapes", action="store_true",
+                    help="eager run: the ops with most device time per input shape at the smallest batch")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -454,7 +484,7 @@ def main() -> int:
             log("longflash eager: skipped" + ("" if args.skip_eager else " (time budget)"))
         else:
             res["longflash_eager"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, True,
-                                                {}, profile_deadline=0.0)
+                                                {}, profile_deadline=0.0, op_shapes=args.op_shapes)
             dump(res, args.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,8 @@ CUDA-graph replays on the GPU, to pick the one the model uses.
 2. MLA's two input projections of the same normed hidden state, ``q_a_proj`` [q_lora_rank, K] and
    ``kv_a_proj_with_mqa`` [kv_lora_rank + rope, K]: two GEMMs (today) vs one over the concatenated
    weight, bf16.
+3. bf16 ``x · W^T`` at the shared experts' gate_up shape (:func:`gate_up_rows`), 4. the MoE combine
+   (:func:`combine_rows`).
 Each row: median us per call (20 replays of a graph of 20 calls, L2 not flushed: weights this small
 stay in L2 across decode steps only when nothing else runs, so this is a lower bound for all
 formulations alike), and the max abs difference from ``F.linear`` in fp64.
@@ -95,17 +97,67 @@ def qkv_a_rows(dev, dtype) -> list[dict]:
     return rows
 
 
+SHAPES_GATE_UP = [(1024, 2048), (512, 2048), (2112, 2048), (4096, 7168)]  # (N, K) of a bf16 x · W^T
+
+
+def gate_up_rows(dev, dtype) -> list[dict]:
+    """bf16 ``x · W^T`` at small T for the N, K of the batch-1 profile's slow GEMM (the shared experts'
+    fused gate_up, N 1024, K 2048: 12.6 us, an 8x64 tile) and neighbours: formulations cuBLAS may
+    serve with different kernels."""
+    rows = []
+    for N, K in SHAPES_GATE_UP:
+        w = (torch.randn(N, K, device=dev) * K ** -0.5).to(dtype)
+        wt = w.t().contiguous()  # [K, N] row-major
+        zero = torch.zeros(N, device=dev, dtype=dtype)
+        for T in TOKENS:
+            x = torch.randn(T, K, device=dev).to(dtype)
+            ref = F.linear(x.double(), w.double())
+            forms = {"F.linear": lambda: F.linear(x, w), "mm(W, x^T)^T": lambda: torch.mm(w, x.t()).t(),
+                     "x @ W^T stored [K, N]": lambda: x @ wt, "addmm(0, x, W^T)": lambda: torch.addmm(zero, x, w.t()),
+                     "two halves": lambda: torch.cat([F.linear(x, w[:N // 2]), F.linear(x, w[N // 2:])], -1)}
+            for name, fn in forms.items():
+                rows.append({"op": "gate_up bf16", "shape": f"N{N} K{K}", "T": T, "form": name,
+                             "us": time_graph(fn) * 1e6, "max_abs_err": (fn().double() - ref).abs().max().item()})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def combine_rows(dev, dtype) -> list[dict]:
+    """The MoE combine of the routed experts' outputs y [T·k, D] (dtype) by topk_weights [T, k] fp32:
+    today's ``(y.float() * w).sum(1).to(dtype)`` (4 launches) against one-launch torch forms."""
+    rows = []
+    for k, D in ((6, 2048), (8, 7168)):
+        for T in TOKENS:
+            y = torch.randn(T * k, D, device=dev).to(dtype)
+            w = torch.rand(T, k, device=dev)
+            ref = (y.view(T, k, D).double() * w.double()[..., None]).sum(1)
+            forms = {"float*w sum": lambda: (y.view(T, k, D).float() * w[..., None]).sum(1).to(dtype),
+                     "bmm fp32": lambda: torch.bmm(w[:, None, :], y.view(T, k, D).float()).squeeze(1).to(dtype),
+                     "bmm dtype": lambda: torch.bmm(w[:, None, :].to(dtype), y.view(T, k, D)).squeeze(1)}
+            for name, fn in forms.items():
+                rows.append({"op": "moe combine", "shape": f"k{k} D{D}", "T": T, "form": name,
+                             "us": time_graph(fn) * 1e6, "max_abs_err": (fn().double() - ref).abs().max().item()})
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", choices=("gate_up",), help="only the gate_up and MoE-combine tables")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if not cuda:  # smoke: one small shape each
         SHAPES_ROUTER[:] = [(8, 64)]
         SHAPES_QKV_A[:] = [(32, 16, 64)]
+        SHAPES_GATE_UP[:] = [(32, 64)]
         TOKENS[:] = [1, 4]
-    rows = router_rows(dev) + qkv_a_rows(dev, torch.bfloat16 if cuda else torch.float32)
+    dt = torch.bfloat16 if cuda else torch.float32
+    if a.only == "gate_up":
+        rows = gate_up_rows(dev, dt) + combine_rows(dev, dt)
+    else:
+        rows = router_rows(dev) + qkv_a_rows(dev, dt) + gate_up_rows(dev, dt) + combine_rows(dev, dt)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "small_gemms.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f, indent=1)

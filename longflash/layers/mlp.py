@@ -10,6 +10,7 @@ from torch import nn
 
 from longflash.distributed.comm import GroupCoordinator
 from longflash.layers.activation import silu_and_mul
+from longflash.layers.gemm_layout import kn_layout_faster
 from longflash.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
 
@@ -38,11 +39,15 @@ class GatedMLP(nn.Module):
         """Compute gate and up with one GEMM from now on (inference; the engine calls it on GPUs, where
         every launch counts in a decode step): the two weights are copied into one [2·I, H] tensor and
         the parameters become views of its halves (no second copy is kept). The act-and-mul then reads
-        the two halves of the GEMM's output in place. Idempotent."""
+        the two halves of the GEMM's output in place. On a GPU the [2·I, H] weight is the transposed
+        view of an [H, 2·I] tensor when that runs the one-token GEMM faster
+        (:func:`longflash.layers.gemm_layout.kn_layout_faster`). Idempotent."""
         if self.gate_up_weight is not None:
             return
         g, u = self.gate_proj.weight, self.up_proj.weight
         w = torch.cat([g.detach(), u.detach()])
+        if kn_layout_faster(w.shape[0], w.shape[1], w.dtype, str(w.device)):
+            w = w.t().contiguous().t()  # stored [H, 2·I]: a faster one-token GEMM for this shape (gemm_layout)
         g.data, u.data = w[:g.shape[0]], w[g.shape[0]:]
         self.gate_up_weight = w
 

@@ -221,11 +221,12 @@ def test_fused_projections_equal_unfused():
     drafter = engine.proposer.drafter
     tables = [s.seq.block_table for s in sched.scheduled[:2]]
     n = min(len(t) for t in tables)
-    table = torch.tensor([t[:n] for t in tables], dtype=torch.int32)
+    dev = next(drafter.parameters()).device  # the CPU here, the GPU when CUDA is available
+    table = torch.tensor([t[:n] for t in tables], dtype=torch.int32, device=dev)
     ctx = [n * KW["block_size"] - 3, n * KW["block_size"] - 5]  # context rows inside the allocated blocks
-    ctx_lens = torch.tensor(ctx, dtype=torch.int32)
-    pos = torch.cat([torch.arange(c, c + 8) for c in ctx])
-    h = torch.randn(16, drafter.cfg.hidden_size)
+    ctx_lens = torch.tensor(ctx, dtype=torch.int32, device=dev)
+    pos = torch.cat([torch.arange(c, c + 8) for c in ctx]).to(dev)
+    h = torch.randn(16, drafter.cfg.hidden_size).to(device=dev, dtype=next(drafter.parameters()).dtype)
     with torch.inference_mode():
         d_before = drafter.forward_padded(h, pos, ctx_lens, table, max(ctx))
     mlps = [m for m in engine.model.modules() if isinstance(m, GatedMLP)]

@@ -95,7 +95,27 @@ def _interpreter_check() -> dict:
                 key = f"{str(dtype)[6:]}-{act.__name__}-T{T}"
                 out[key] = [list(got.shape) == list(ref.shape)] + ([0.0, 0.0] if T == 0 else [
                     float((got.float() - ref).norm() / ref.norm()), float((same.float() - ref).norm() / ref.norm())])
-    return out
+    return {"grouped": out, "combine": _combine_check()}
+
+
+def _combine_check() -> dict:
+    """The one-launch MoE combine against its reference: max |difference| in units of the result's
+    ulp scale (fp32 out: relative to max |ref|; bf16 out: in bf16 ulps of max |ref|), per case."""
+    from longflash.layers.moe_grouped import moe_combine_ref
+    from longflash.layers.moe_grouped_triton import moe_combine_triton
+    res = {}
+    g = torch.Generator().manual_seed(5)
+    for T, k, D in ((0, 2, 8), (1, 6, 300), (5, 8, 513)):
+        for y_dt, out_dt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+            y = torch.randn(T * k, D, generator=g).to(y_dt)
+            w = torch.rand(T, k, generator=g)
+            ref, got = moe_combine_ref(y, w, out_dt), moe_combine_triton(y, w, out_dt)
+            scale = max(float(ref.float().abs().max()) if T else 1.0, 1e-30)
+            ulp = 2.0 ** -23 if out_dt == torch.float32 else 2.0 ** -7
+            diff = float((got.float() - ref.float()).abs().max()) if T else 0.0
+            res[f"T{T}-k{k}-D{D}-{str(out_dt)[6:]}"] = [list(got.shape) == [T, D] and got.dtype == out_dt,
+                                                        diff / (scale * ulp)]
+    return res
 
 
 def test_triton_kernel_equals_reference_interpreter():
@@ -105,7 +125,11 @@ def test_triton_kernel_equals_reference_interpreter():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     results = json.loads(res.stdout.strip().splitlines()[-1])
-    for key, (shape_ok, rel, rel_same_dtype_ref) in results.items():
+    for key, (shape_ok, ulps) in results["combine"].items():
+        # fp32: the same products and order (a fused multiply-add may save one rounding); bf16: the
+        # interpreter's fp32 -> bf16 store truncates where torch rounds to nearest: at most one ulp
+        assert shape_ok and ulps <= (4.0 if key.endswith("float32") else 1.0), (key, ulps)
+    for key, (shape_ok, rel, rel_same_dtype_ref) in results["grouped"].items():
         assert shape_ok, key
         # fp32: another summation order only. bf16: the reference run in bf16 rounds the same
         # intermediates (gate/up, activation, down); the interpreter's fp32 -> bf16 store truncates
@@ -128,6 +152,13 @@ def test_triton_kernel_gpu_benchmark_shapes():
         ref = grouped_experts_ref(x.float(), w13.float(), w2.float(), w, ids, silu_and_mul)
         got = grouped_experts_triton(x, w13, w2, w, ids, silu_and_mul)
         assert float((got.float() - ref).norm() / ref.norm()) <= 1e-2
+    from longflash.layers.moe_grouped import moe_combine_ref
+    from longflash.layers.moe_grouped_triton import moe_combine_triton
+    for T in (1, 64):  # the one-launch combine at the benchmark shape: within one bf16 rounding
+        y = torch.randn(T * k, D, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(T, k, device="cuda")
+        ref, got = moe_combine_ref(y, w, torch.bfloat16).float(), moe_combine_triton(y, w, torch.bfloat16).float()
+        assert float((got - ref).abs().max()) <= 2.0 ** -7 * float(ref.abs().max())
 
 
 if __name__ == "__main__":

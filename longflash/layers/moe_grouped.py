@@ -74,6 +74,30 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return out
 
 
+def moe_combine_ref(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The weighted sum of each token's k routed-expert outputs (PyTorch reference of
+    ``moe_grouped_triton.moe_combine_triton``).
+
+    Args:
+        y: [T·k, D] expert outputs, row t·k + j = the j-th chosen expert of token t (any float dtype).
+        topk_weights: [T, k] routing weights (any float dtype; used in fp32).
+        out_dtype: the result's dtype.
+    Returns:
+        [T, D] ``Σ_j topk_weights[t, j] · y[t·k + j]`` computed in fp32 (products, then the sum over j
+        in ascending order), rounded once to ``out_dtype``.
+    Raises:
+        ValueError when y's rows are not T·k.
+    """
+    T, k = topk_weights.shape
+    if y.dim() != 2 or y.shape[0] != T * k:
+        raise ValueError(f"y must be [T*k={T * k}, D], got {tuple(y.shape)}")
+    acc = torch.zeros(T, y.shape[1], dtype=torch.float32, device=y.device)
+    yf, wf = y.view(T, k, y.shape[1]).float(), topk_weights.float()
+    for j in range(k):
+        acc += wf[:, j, None] * yf[:, j]
+    return acc.to(out_dtype)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the flattened (token, slot) rows by expert into blocks of ``block_m`` rows, each block

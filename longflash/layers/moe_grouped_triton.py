@@ -69,6 +69,36 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_rows_ptr, block_expert_pt
              mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):  # ascending j, the reference's order
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += wj * tl.load(y_ptr + (t * K + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def moe_combine_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Triton version of :func:`longflash.layers.moe_grouped.moe_combine_ref` (same arguments and
+    result: fp32 products summed over j in ascending order, one rounding to ``out_dtype``), one launch
+    instead of the cast, multiply, sum and cast of the PyTorch form (a batch-1 decode step runs it once
+    per MoE layer). Grid (T, D / BLOCK_D). Raises ValueError when y's rows are not T·k."""
+    T, k = topk_weights.shape
+    if y.dim() != 2 or y.shape[0] != T * k:
+        raise ValueError(f"y must be [T*k={T * k}, D], got {tuple(y.shape)}")
+    D = y.shape[1]
+    out = torch.empty(T, D, dtype=out_dtype, device=y.device)
+    if T == 0 or D == 0:
+        return out
+    BLOCK_D = 256
+    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y.contiguous(), topk_weights.contiguous(), out, D, K=k,
+                                                     BLOCK_D=BLOCK_D, num_warps=2)
+    return out
+
+
 def default_config(num_rows: int, num_experts: int) -> dict:
     """Tile sizes by the mean rows per expert hit (decode: small BLOCK_M, narrow BLOCK_N so that the
     few chosen experts still spread over the SMs; prefill: larger tiles for the tensor cores)."""
@@ -120,6 +150,4 @@ def grouped_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     I = two_i // 2
     inter = act_and_mul(h[:, :I], h[:, I:]).contiguous()
     y = _gemm(inter, w2, sorted_rows, block_expert, n_rows, 1, cfg)
-    # the weighted sum over the k experts as one batched GEMM [T, 1, k] x [T, k, D] in fp32 (one launch
-    # where multiply + sum were two: benchmarks/results/small_gemms_gate_up.h200.md, 5.7 vs 7.9 us at T 1)
-    return torch.bmm(topk_weights.float()[:, None, :], y.view(T, k, -1).float()).squeeze(1).to(x.dtype)
+    return moe_combine_triton(y, topk_weights, x.dtype)

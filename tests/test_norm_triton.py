@@ -35,9 +35,27 @@ def _ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _interpreter_check() -> dict:
     from longflash.layers.norm_triton import rms_norm_triton
-    return {k: [list(rms_norm_triton(x, w, 1e-6).shape) == list(x.shape), _ulps(rms_norm_triton(x, w, 1e-6),
-                                                                                 rms_norm(x, w, 1e-6))]
-            for k, x, w in _cases()}
+    out = {k: [list(rms_norm_triton(x, w, 1e-6).shape) == list(x.shape), _ulps(rms_norm_triton(x, w, 1e-6),
+                                                                                rms_norm(x, w, 1e-6))]
+           for k, x, w in _cases()}
+    out.update(_add_check())
+    return out
+
+
+def _add_check(device="cpu", dtypes=(torch.float32, torch.float16)) -> dict:
+    """add_rms_norm_triton vs the reference add_rms_norm: the sum must be the PyTorch add exactly (0 ulps),
+    the norm as for rms_norm; keys end in '-sum' and '-norm'."""
+    from longflash.layers.norm import add_rms_norm
+    from longflash.layers.norm_triton import add_rms_norm_triton
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for k, x, w in _cases(device, dtypes):
+        r = (torch.randn(x.shape, generator=g) * 2).to(device=device, dtype=x.dtype)
+        (n_got, s_got), (n_ref, s_ref) = add_rms_norm_triton(x, r, w, 1e-6), add_rms_norm(x, r, w, 1e-6)
+        ok = list(n_got.shape) == list(x.shape) and list(s_got.shape) == list(x.shape)
+        out[f"add-{k}-sum"] = [ok, _ulps(s_got, s_ref) if s_ref.numel() else 0.0]
+        out[f"add-{k}-norm"] = [ok, _ulps(n_got, n_ref)]
+    return out
 
 
 def test_rms_norm_triton_equals_reference_interpreter():
@@ -47,8 +65,10 @@ def test_rms_norm_triton_equals_reference_interpreter():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     for key, (shape_ok, ulps) in json.loads(res.stdout.strip().splitlines()[-1]).items():
-        # fp32: the mean's summation order (a few ulps); fp16: one rounding step of the output at most
-        assert shape_ok and ulps <= (8 if key.startswith("float32") else 2), (key, ulps)
+        # fp32: the mean's summation order (a few ulps); fp16: one rounding step of the output at most;
+        # the residual sum of add_rms_norm: exactly the PyTorch add
+        bound = 0 if key.endswith("-sum") else 8 if "float32" in key else 2
+        assert shape_ok and ulps <= bound, (key, ulps)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -56,6 +76,8 @@ def test_rms_norm_triton_gpu():
     from longflash.layers.norm_triton import rms_norm_triton
     for key, x, w in _cases("cuda", (torch.bfloat16, torch.float32)):
         assert _ulps(rms_norm_triton(x, w, 1e-6), rms_norm(x, w, 1e-6)) <= (8 if x.dtype == torch.float32 else 2), key
+    for key, (shape_ok, ulps) in _add_check("cuda", (torch.bfloat16, torch.float32)).items():
+        assert shape_ok and ulps <= (0 if key.endswith("-sum") else 8 if "float32" in key else 2), (key, ulps)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,10 @@ class KVCacheSpec:
 class DecoderStack(nn.Module):
     """``embed_tokens`` → pre-norm residual layers → ``norm`` (DeepSeek-V3, Qwen3, Kimi-Linear).
 
-    Each layer maps hidden [T, H] -> [T, H]. forward(input_ids [T]) -> final-normed hidden [T, H].
+    Each layer maps hidden [T, H] -> [T, H], or, when it has ``carries_residual = True``, takes and
+    returns ``(x, residual)`` with the residual stream kept apart (its hidden state is x + residual;
+    residual None on the first layer): the add then joins the next norm, ``RMSNorm(x, residual)``
+    (vLLM's fused_add_rms_norm convention). forward(input_ids [T]) -> final-normed hidden [T, H].
     ``embed_tokens`` is vocab-parallel over ``tp`` (None: the full table).
     """
 
@@ -51,9 +54,15 @@ class DecoderStack(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
+            if getattr(layer, "carries_residual", False):
+                x, residual = layer(x, residual)
+                continue
+            if residual is not None:
+                x, residual = x + residual, None
             x = layer(x)
-        return self.norm(x)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):

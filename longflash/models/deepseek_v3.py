@@ -45,9 +45,18 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    carries_residual = True  # DecoderStack passes (x, residual): each residual add joins the next norm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual stream); the layer's hidden state (HF's) is their sum.
+        Same arithmetic as ``x = x + attn(norm(x)); x = x + mlp(norm(x))``: the adds happen inside the
+        next norms (``RMSNorm(x, residual)``), one launch each on the GPU."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h), residual)
+        return self.mlp(h), residual
 
 
 def build_deepseek_v3_stack(cfg: dict, tp=None) -> DecoderStack:

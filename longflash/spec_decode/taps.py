@@ -2,7 +2,8 @@
 
 Two conventions (``shared/specs/dflash.md``, ``attnres_kimi.md`` "The tap for a speculative drafter"):
 - ``layer_output`` (DeepSeek, Qwen3): the residual stream after layer i (HF ``hidden_states[i + 1]``);
-  the last layer's tap is taken before the final norm. Captured as layer i's output.
+  the last layer's tap is taken before the final norm. Captured as layer i's output (x + residual for a
+  layer that returns its residual stream apart, ``DecoderStack``).
 - ``attn_res_mixture`` (Kimi-K3 / AttnRes targets): the pre-norm AttnRes mixture that the next
   sublayer sees, i.e. the input of layer i+1's ``input_layernorm``; for the last layer, the output
   mixture, i.e. the input of ``model.norm``. Tapping the raw prefix instead would silently lower
@@ -64,6 +65,8 @@ class AuxTapper:
 
     def _post_hook(self, i):
         def hook(module, args, output):
+            if isinstance(output, tuple):  # a layer that carries its residual: hidden = x + residual
+                output = output[0] + output[1]
             self._record(i, output)
         return hook
 

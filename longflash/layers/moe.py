@@ -186,11 +186,15 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         h = self.routed_expert_down_proj(x) if self.latent_size else x
+        shared = None  # the shared experts' output, when the routed combine adds it in the same launch
         if self.grouped_experts:
             y = self.experts(h, topk_weights, topk_ids)
         elif h.is_cuda:  # sync-free and capture-safe (CUDA graphs): grouped GEMM over stacked weights
             from longflash.layers.moe_grouped_triton import grouped_experts_triton
-            y = grouped_experts_triton(h, *self.stack_experts(), topk_weights, topk_ids, self.experts[0].act_and_mul)
+            if self.shared_experts is not None and not self.latent_size:
+                shared = self.shared_experts(x)
+            y = grouped_experts_triton(h, *self.stack_experts(), topk_weights, topk_ids, self.experts[0].act_and_mul,
+                                       add=shared)
         else:
             y = run_experts(h, self.experts, topk_weights, topk_ids)
         if self.latent_size:
@@ -203,7 +207,7 @@ class MoE(nn.Module):
                 s = self.shared_experts(x)
                 y = y + (self.tp.all_reduce(s) if self.tp is not None else s)
             return y
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and shared is None:
             y = y + self.shared_experts(x)
         return self.tp.all_reduce(y) if self.tp is not None else y
 

@@ -50,7 +50,7 @@ def stack_expert_weights(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Te
 
 
 def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, act_and_mul: Callable) -> torch.Tensor:
+                        topk_ids: torch.Tensor, act_and_mul: Callable, add: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts without data-dependent shapes (PyTorch reference of the grouped kernel).
 
     Args:
@@ -58,6 +58,8 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         topk_weights: [T, k] fp32 routing weights. topk_ids: [T, k] int64 expert ids in [0, E),
             distinct within a row.
         act_and_mul: the gated activation ``act(gate, up)``.
+        add: optional [T, D_out] in x's dtype added to the result (the shared experts' output), as
+            ``result + add`` in x's dtype.
     Returns:
         [T, D_out] in x's dtype: Σ over chosen experts e of ``w_e · down_e(act(gate_e x, up_e x))``,
         each product rounded to x's dtype and added in ascending expert order, as ``moe.run_experts``.
@@ -71,10 +73,11 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         h = torch.nn.functional.linear(x, w13[e])
         y = torch.nn.functional.linear(act_and_mul(h[:, :I], h[:, I:]), w2[e])
         out += y * combine[:, e, None].to(x.dtype)
-    return out
+    return out if add is None else out + add
 
 
-def moe_combine_ref(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def moe_combine_ref(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype,
+                    add: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted sum of each token's k routed-expert outputs (PyTorch reference of
     ``moe_grouped_triton.moe_combine_triton``).
 
@@ -82,20 +85,24 @@ def moe_combine_ref(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torc
         y: [T·k, D] expert outputs, row t·k + j = the j-th chosen expert of token t (any float dtype).
         topk_weights: [T, k] routing weights (any float dtype; used in fp32).
         out_dtype: the result's dtype.
+        add: optional [T, D] ``out_dtype`` tensor added after the rounding (``result + add`` as a PyTorch
+            add in ``out_dtype``: the shared experts' output, no launch of its own on the GPU).
     Returns:
         [T, D] ``Σ_j topk_weights[t, j] · y[t·k + j]`` computed in fp32 (products, then the sum over j
-        in ascending order), rounded once to ``out_dtype``.
+        in ascending order), rounded once to ``out_dtype`` (then ``+ add``).
     Raises:
-        ValueError when y's rows are not T·k.
+        ValueError when y's rows are not T·k, or ``add`` is not [T, D] of ``out_dtype``.
     """
     T, k = topk_weights.shape
     if y.dim() != 2 or y.shape[0] != T * k:
         raise ValueError(f"y must be [T*k={T * k}, D], got {tuple(y.shape)}")
+    if add is not None and (add.shape != (T, y.shape[1]) or add.dtype != out_dtype):
+        raise ValueError(f"add must be [{T}, {y.shape[1]}] {out_dtype}, got {tuple(add.shape)} {add.dtype}")
     acc = torch.zeros(T, y.shape[1], dtype=torch.float32, device=y.device)
     yf, wf = y.view(T, k, y.shape[1]).float(), topk_weights.float()
     for j in range(k):
         acc += wf[:, j, None] * yf[:, j]
-    return acc.to(out_dtype)
+    return acc.to(out_dtype) if add is None else acc.to(out_dtype) + add
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int,

@@ -70,7 +70,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_rows_ptr, block_expert_pt
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _moe_combine_kernel(y_ptr, w_ptr, add_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HAS_ADD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -78,24 +79,33 @@ def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.c
     for j in tl.static_range(K):  # ascending j, the reference's order
         wj = tl.load(w_ptr + t * K + j).to(tl.float32)
         acc += wj * tl.load(y_ptr + (t * K + j) * D + d, mask=dm, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=dm)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:  # rounded, then added and rounded again: the reference's ``result + add``
+        out = (out.to(tl.float32) + tl.load(add_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)).to(
+            out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * D + d, out, mask=dm)
 
 
-def moe_combine_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def moe_combine_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype,
+                       add: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`longflash.layers.moe_grouped.moe_combine_ref` (same arguments and
     result: fp32 products summed over j in ascending order, one rounding to ``out_dtype``), one launch
     instead of the cast, multiply, sum and cast of the PyTorch form (a batch-1 decode step runs it once
-    per MoE layer). Grid (T, D / BLOCK_D). Raises ValueError when y's rows are not T·k."""
+    per MoE layer; with ``add``, the shared experts' output is added in the same launch). Grid
+    (T, D / BLOCK_D). Raises ValueError when y's rows are not T·k, or ``add`` is not [T, D] of ``out_dtype``."""
     T, k = topk_weights.shape
     if y.dim() != 2 or y.shape[0] != T * k:
         raise ValueError(f"y must be [T*k={T * k}, D], got {tuple(y.shape)}")
     D = y.shape[1]
+    if add is not None and (add.shape != (T, D) or add.dtype != out_dtype):
+        raise ValueError(f"add must be [{T}, {D}] {out_dtype}, got {tuple(add.shape)} {add.dtype}")
     out = torch.empty(T, D, dtype=out_dtype, device=y.device)
     if T == 0 or D == 0:
         return out
     BLOCK_D = 256
-    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y.contiguous(), topk_weights.contiguous(), out, D, K=k,
-                                                     BLOCK_D=BLOCK_D, num_warps=2)
+    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y.contiguous(), topk_weights.contiguous(),
+                                                     add.contiguous() if add is not None else out, out, D, K=k,
+                                                     BLOCK_D=BLOCK_D, HAS_ADD=add is not None, num_warps=2)
     return out
 
 
@@ -126,7 +136,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, sorted_rows: torch.Tensor, block_exp
 
 
 def grouped_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                           topk_ids: torch.Tensor, act_and_mul: Callable, config: dict | None = None) -> torch.Tensor:
+                           topk_ids: torch.Tensor, act_and_mul: Callable, add: torch.Tensor | None = None,
+                           config: dict | None = None) -> torch.Tensor:
     """Triton version of :func:`longflash.layers.moe_grouped.grouped_experts_ref` (same arguments and
     result within fp32-accumulation rounding). ``config`` overrides :func:`default_config`.
 
@@ -142,6 +153,8 @@ def grouped_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     k = topk_ids.shape[1]
     if T == 0:
         return x.new_zeros(0, w2.shape[1])
+    if add is not None and (add.shape != (T, w2.shape[1]) or add.dtype != x.dtype):
+        raise ValueError(f"add must be [{T}, {w2.shape[1]}] {x.dtype}, got {tuple(add.shape)} {add.dtype}")
     n_rows = T * k
     cfg = dict(default_config(n_rows, E), **(config or {}))
     sorted_rows, block_expert, _ = expert_align(topk_ids, E, cfg["BLOCK_M"])  # one launch on CUDA
@@ -150,4 +163,4 @@ def grouped_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     I = two_i // 2
     inter = act_and_mul(h[:, :I], h[:, I:]).contiguous()
     y = _gemm(inter, w2, sorted_rows, block_expert, n_rows, 1, cfg)
-    return moe_combine_triton(y, topk_weights, x.dtype)
+    return moe_combine_triton(y, topk_weights, x.dtype, add)

@@ -17,6 +17,12 @@ class _DefaultMaxTokens(int):
 DEFAULT_MAX_TOKENS = _DefaultMaxTokens(16)
 
 
+def default_max_tokens(n: int) -> int:
+    """``n`` as a *default* ``max_tokens`` (e.g. a CLI's own default): capped at the room left in the
+    context like the left-out 16, where an explicit value that does not fit is refused."""
+    return _DefaultMaxTokens(n)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output tokens.

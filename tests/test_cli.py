@@ -26,3 +26,16 @@ def test_bad_memory_size_names_the_format():
                         "--kv-cache-memory", "lots"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "--kv-cache-memory: cannot parse memory size 'lots'; use bytes or e.g. 2GiB" in r.stderr, r.stderr
+
+
+def test_generate_default_max_tokens_fits_the_context():
+    """`generate` without --max-tokens: its default 64 is capped at the room the prompt leaves (the
+    default model, max_model_len 1100, a ~1090-token prompt): it generates to the context's end
+    instead of refusing a max_tokens the user never gave; an explicit --max-tokens 64 is still refused."""
+    prompt = "The quick brown fox " * 181
+    base = [sys.executable, "-m", "longflash.entrypoints.cli", "generate", "--prompt", prompt, "--max-model-len", "1100"]
+    r = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "finish_reason=length" in r.stderr
+    r = subprocess.run(base + ["--max-tokens", "64"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "max_tokens" in r.stderr, r.stderr[-2000:]

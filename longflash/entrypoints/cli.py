@@ -17,10 +17,11 @@ def _setup_logging() -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from longflash.engine.llm_engine import LLMEngine
-    from longflash.sampling_params import SamplingParams
+    from longflash.sampling_params import SamplingParams, default_max_tokens
 
+    max_tokens = args.max_tokens if args.max_tokens is not None else default_max_tokens(64)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                            seed=args.seed, max_tokens=max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     engine = LLMEngine(engine_config_from_args(args))
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt")
     add_engine_args(g)
     g.add_argument("--prompt", required=True, help="the text to continue")
-    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate at most (default 64, capped at the room left in the context)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 (the default here, unlike the offline API's 1.0) = greedy; > 0 samples")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")

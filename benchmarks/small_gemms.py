@@ -22,10 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import graph_seconds  # noqa: E402
 
 SHAPES_ROUTER = [(64, 2048), (256, 7168), (384, 7168)]  # (E, K): bench model, DeepSeek-V3, Kimi-K2
 SHAPES_QKV_A = [(1536, 576, 2048), (1536, 576, 7168)]  # (q_lora_rank, kv_lora_rank + rope, K)
@@ -34,32 +37,7 @@ TOKENS = [1, 2, 4, 16, 64]
 
 def time_graph(fn, reps: int = 20, inner: int = 20) -> float:
     """Median seconds per call of ``fn`` captured ``inner`` times in one CUDA graph (CPU: wall clock)."""
-    if not torch.cuda.is_available():
-        import time
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        return (time.perf_counter() - t) / inner
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / inner)
-    return statistics.median(ts)
+    return graph_seconds(fn, calls=inner, replays=reps)
 
 
 def router_rows(dev) -> list[dict]:

@@ -13,43 +13,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 
 import torch
 import torch.nn.functional as F
+
+from longflash.ops.cuda_timing import graph_seconds
 
 logger = logging.getLogger("longflash")
 
 # The [K, N] layout is taken only when it is this much faster: near-equal timings must not make two
 # engine starts pick different kernels (and so different roundings) for the same weights.
 MARGIN = 1.3
-
-
-def _median_us(fn, reps: int = 5, inner: int = 20) -> float:
-    """Median over ``reps`` of the mean CUDA-event time per call of ``inner`` calls replayed from one
-    CUDA graph (us). A graph, as in a decode step: timed eagerly, the host's launch cost (~5 us per
-    ``F.linear``) would hide the kernels' difference."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # cuBLAS workspace and handle outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)
-    del g
-    return statistics.median(times)
 
 
 @functools.lru_cache(maxsize=256)
@@ -64,8 +38,10 @@ def kn_layout_faster(n: int, k: int, dtype: torch.dtype, device: str) -> bool:
         w_nk = torch.randn(n, k, device=dev).to(dtype)
         w_kn = w_nk.t().contiguous()
         x = torch.randn(1, k, device=dev).to(dtype)
-        t_nk = _median_us(lambda: F.linear(x, w_nk))
-        t_kn = _median_us(lambda: F.linear(x, w_kn.t()))
+        # CUDA-graph replays as in a decode step: timed eagerly, the host's launch cost (~5 us per
+        # F.linear) hides the kernels' difference
+        t_nk = graph_seconds(lambda: F.linear(x, w_nk), calls=20, replays=5) * 1e6
+        t_kn = graph_seconds(lambda: F.linear(x, w_kn.t()), calls=20, replays=5) * 1e6
     faster = t_kn * MARGIN < t_nk
     logger.info("fused weight [%d, %d] %s: one-token GEMM %.1f us as [N, K], %.1f us as [K, N]%s", n, k, dtype,
                  t_nk, t_kn, " (using [K, N])" if faster else "")

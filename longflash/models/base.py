@@ -35,6 +35,29 @@ class KVCacheSpec:
         return (self.num_planes, num_blocks, block_size, *self.row_shape)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm residual layer ``x += self_attn(input_layernorm(x)); x += feed_forward(
+    post_attention_layernorm(x))`` (DeepSeek-V3, Qwen3, Kimi-Linear) that carries the residual stream
+    apart for :class:`DecoderStack`: (x, residual) -> (feed-forward output, residual stream), the
+    hidden state (HF's) being their sum; each add happens inside the next norm (``RMSNorm(x, residual)``,
+    one launch on the GPU; vLLM's fused_add_rms_norm convention), with the same arithmetic.
+    Subclasses set ``self_attn``, ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (or
+    override :meth:`feed_forward`)."""
+
+    carries_residual = True
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(h)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h), residual)
+        return self.feed_forward(h), residual
+
+
 class DecoderStack(nn.Module):
     """``embed_tokens`` → pre-norm residual layers → ``norm`` (DeepSeek-V3, Qwen3, Kimi-Linear).
 

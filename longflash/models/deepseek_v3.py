@@ -5,9 +5,6 @@ Reference implementation for parity tests: HF transformers ``DeepseekV3ForCausal
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from longflash.attention.mla import MLAAttention
 from longflash.layers.activation import get_act_and_mul
 from longflash.layers.mlp import GatedMLP
@@ -15,7 +12,7 @@ from longflash.layers.moe import MoE, TopkRouter
 from longflash.layers.norm import RMSNorm
 from longflash.layers.parallel import ParallelLMHead, model_tp_group
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_mscale
-from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec
+from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec, PreNormDecoderLayer
 
 
 def _is_moe_layer(cfg: dict, layer_idx: int) -> bool:
@@ -24,7 +21,7 @@ def _is_moe_layer(cfg: dict, layer_idx: int) -> bool:
             and layer_idx % cfg.get("moe_layer_freq", 1) == 0)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: dict, layer_idx: int, rotary: RotaryEmbedding, softmax_scale: float, tp=None):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
@@ -45,18 +42,6 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
 
-    carries_residual = True  # DecoderStack passes (x, residual): each residual add joins the next norm
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (mlp output, residual stream); the layer's hidden state (HF's) is their sum.
-        Same arithmetic as ``x = x + attn(norm(x)); x = x + mlp(norm(x))``: the adds happen inside the
-        next norms (``RMSNorm(x, residual)``), one launch each on the GPU."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h), residual)
-        return self.mlp(h), residual
 
 
 def build_deepseek_v3_stack(cfg: dict, tp=None) -> DecoderStack:

@@ -13,7 +13,6 @@ checkpoint names are the ones here).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from longflash.attention.mla import MLAAttention
 from longflash.layers.activation import get_act_and_mul
@@ -22,7 +21,7 @@ from longflash.layers.mlp import GatedMLP
 from longflash.layers.moe import MoE, is_kimi_moe_layer, kimi_router
 from longflash.layers.norm import RMSNorm
 from longflash.layers.parallel import ParallelLMHead, model_tp_group
-from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec
+from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec, PreNormDecoderLayer
 
 
 def kda_layer_ids(cfg: dict) -> set[int]:
@@ -56,7 +55,7 @@ def mla_kv_cache_spec(cfg: dict, num_mla_layers: int) -> KVCacheSpec:
     return KVCacheSpec(num_mla_layers, (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"],), 1)
 
 
-class KimiLinearDecoderLayer(nn.Module):
+class KimiLinearDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: dict, layer_idx: int, is_kda: bool, tp=None):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
@@ -81,10 +80,8 @@ class KimiLinearDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        h = self.post_attention_layernorm(x)
-        return x + (self.block_sparse_moe(h) if self.is_moe else self.mlp(h))
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(h) if self.is_moe else self.mlp(h)
 
 
 def build_kimi_linear_stack(cfg: dict, tp=None) -> DecoderStack:

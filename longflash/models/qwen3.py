@@ -5,23 +5,20 @@ Reference implementation for parity tests: HF transformers ``Qwen3ForCausalLM``.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from longflash.attention.gqa import GQAAttention
 from longflash.layers.activation import get_act_and_mul
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.norm import RMSNorm
 from longflash.layers.parallel import ParallelLMHead, model_tp_group
 from longflash.layers.rotary import RotaryEmbedding, rope_parameters
-from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec
+from longflash.models.base import CausalLM, DecoderStack, KVCacheSpec, PreNormDecoderLayer
 
 
 def _head_dim(cfg: dict) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: dict, rotary: RotaryEmbedding, tp=None):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
@@ -32,9 +29,6 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def build_qwen3_stack(cfg: dict, tp=None) -> DecoderStack:

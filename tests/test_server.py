@@ -352,6 +352,12 @@ BAD_INPUTS = [
      "prompt", "invalid_value"),
     ("stop_token_out_of_vocab", "/v1/completions", {**OK_COMPLETION, "stop_token_ids": [10**9]}, None, 400,
      "stop_token_ids", "invalid_value"),
+    # a RecursionError in the JSON parser was a 500 with two tracebacks (found by a fresh user)
+    ("nested_too_deeply", "/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     None, 400, None, "nested_too_deeply"),
+    ("nested_too_deeply_in_ignored_field", "/v1/chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "extra": ' + b'{"a": ' * 3000 + b"1"
+     + b"}" * 3000 + b"}", None, 400, None, "nested_too_deeply"),
 ]
 
 
@@ -368,6 +374,8 @@ def test_bad_input(server, name, path, body, headers, status, param, code):
         assert err["code"] == code
     if name == "image_content":  # the unsupported part is named, not pydantic's union errors
         assert "'image_url' is not supported" in err["message"], err["message"]
+    if name.startswith("nested_too_deeply"):
+        assert "nested too deeply" in err["message"], err["message"]
     # The server keeps serving.
     ok = _post(server, "/v1/completions", OK_COMPLETION)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
@@ -607,6 +615,10 @@ def test_request_chat_template_when_trusted(model_dir):
             == tokens[0]
         r = httpx.post(s.url + "/v1/chat/completions", json={**big, "max_tokens": "many"}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        deep = b'{"messages": ' + b"[" * (2 << 20) + b"]" * (2 << 20) + b"}"  # too deep to parse, in the thread
+        r = httpx.post(s.url + "/v1/chat/completions", content=deep, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "nested_too_deeply", r.text
+        assert "Traceback" not in s.log()
 
 
 

@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import re
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -190,7 +191,18 @@ class _Server:
 
     @staticmethod
     def _decode(body: bytes, cls: type[BaseModel]) -> Any:
-        """UTF-8, JSON object, no lone surrogates, ``cls``'s types: the request, or ApiError 400."""
+        """UTF-8, JSON object, no lone surrogates, ``cls``'s types: the request, or ApiError 400 (also for
+        arrays/objects nested deeper than the parser's recursion limit, ~1000 levels: a RecursionError
+        was a 500, found by a fresh user)."""
+        try:
+            return _Server._decode_checked(body, cls)
+        except RecursionError:  # json.loads, json.dumps or validation of a deeply nested body
+            raise ApiError(400, "the request body is nested too deeply: its JSON arrays/objects reach the "
+                           f"parser's recursion limit ({sys.getrecursionlimit()} levels)", code="nested_too_deeply"
+                           ) from None
+
+    @staticmethod
+    def _decode_checked(body: bytes, cls: type[BaseModel]) -> Any:
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError as e:

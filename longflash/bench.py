@@ -226,10 +226,11 @@ def cmd_throughput(args) -> int:
 
 def add_bench_parser(sub) -> None:
     from longflash.bench_serve import add_serve_bench_args, cmd_serve
-    b = sub.add_parser("bench", help="latency / throughput / serving benchmarks (vLLM's report)")
+    b = sub.add_parser("bench", help="latency / throughput / serving benchmarks (vLLM's report)",
+                       allow_abbrev=False)
     bsub = b.add_subparsers(dest="bench_command", required=True)
     for name, fn in (("latency", cmd_latency), ("throughput", cmd_throughput), ("serve", cmd_serve)):
-        p = bsub.add_parser(name)
+        p = bsub.add_parser(name, allow_abbrev=False)
         add_engine_args(p)
         p.add_argument("--input-len", type=int, default=64)
         p.add_argument("--output-len", type=int, default=64)

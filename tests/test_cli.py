@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+from longflash.entrypoints.cli import build_parser
+
 
 def test_generate_subprocess_token_model(tiny_model):
     path = tiny_model("qwen3-tied")
@@ -39,3 +43,19 @@ def test_generate_default_max_tokens_fits_the_context():
     assert "finish_reason=length" in r.stderr
     r = subprocess.run(base + ["--max-tokens", "64"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "max_tokens" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "x", "--max-tok", "3"],                 # was read as --max-tokens
+    ["serve", "--chat-template-content", "string"],                 # was read as --chat-template-content-format
+    ["serve", "--served-model", "m"],
+    ["bench", "latency", "--batch", "1"],
+])
+def test_flag_prefixes_are_unknown_flags(argv, capsys):
+    """argparse's default allow_abbrev took any unambiguous prefix of a flag (found by a fresh user:
+    ``--chat-template x`` was silently ``--chat-template-content-format``); docs/serving.md says an
+    unknown flag is an error, and vLLM's parser takes no prefixes either."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err

@@ -56,10 +56,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="longflash", description="Long-context MLA inference engine")
+    # allow_abbrev=False everywhere: a prefix of a flag is an error, not silently another flag (--chat-template
+    # was read as --chat-template-content-format); vLLM's parser takes no prefixes either.
+    p = argparse.ArgumentParser(prog="longflash", description="Long-context MLA inference engine", allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for one prompt")
+    g = sub.add_parser("generate", help="generate text for one prompt", allow_abbrev=False)
     add_engine_args(g)
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--max-tokens", type=int, default=None,
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
     add_engine_args(s, model_positional=True)
     try:
         from longflash.entrypoints.server.cli_args import add_server_args, run_server

@@ -266,7 +266,7 @@ def prepare(data_dir: str = DEFAULT_DATA_DIR, vocab_size: int = 8192) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     ap.add_argument("--vocab-size", type=int, default=8192)
     args = ap.parse_args(argv)

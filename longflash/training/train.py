@@ -263,7 +263,7 @@ def smoke_overrides() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description="Train and export the longflash default model")
+    ap = argparse.ArgumentParser(description="Train and export the longflash default model", allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

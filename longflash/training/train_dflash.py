@@ -106,7 +106,7 @@ def build_data(args, target, tok_mask_id, device, log) -> tuple[dict[str, np.nda
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--target", default="longflash/default_model")
     ap.add_argument("--data", default=".data")
     ap.add_argument("--out", required=True)

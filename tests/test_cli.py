@@ -1,5 +1,6 @@
 """`longflash generate` end to end in a subprocess."""
 
+import os
 import subprocess
 import sys
 
@@ -59,3 +60,17 @@ def test_flag_prefixes_are_unknown_flags(argv, capsys):
         build_parser().parse_args(argv)
     assert e.value.code == 2
     assert f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
+
+
+def test_generate_output_ends_with_a_newline_before_the_log_line():
+    """stdout and stderr into one pipe (``2>&1 | less``): the generated text ends with a newline that is
+    written before the closing log line; it sat in the block-buffered stdout, so the log line was glued
+    to the text (found by a fresh user)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    r = subprocess.run([sys.executable, "-m", "longflash.entrypoints.cli", "generate", "--prompt", "def add(a, b):",
+                        "--max-tokens", "4", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:]
+    last = r.stdout.rstrip("\n").splitlines()[-1]
+    assert last.startswith("INFO ") and "finish_reason=length" in last, r.stdout[-2000:]
+    assert "\ndef add(a, b):" in r.stdout

@@ -44,6 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             printed = len(text)
             final = out
     sys.stdout.write("\n")
+    sys.stdout.flush()  # before the log line on stderr: a pipe's stdout is block-buffered (it was glued on)
     if final is None:
         failed = dict(engine.failed_requests)
         print(f"error: generation failed: {failed.get(rid, 'unknown error')}", file=sys.stderr)

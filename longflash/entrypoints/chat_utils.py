@@ -14,11 +14,15 @@ wants it is the *content format* (vLLM's ``--chat-template-content-format``):
 
 Parts of any other type (``image_url``, ``input_audio``, ...) are refused: the models this engine serves
 take text only.
+
+A template other than the tokenizer's (``longflash serve --chat-template``, ``LLM.chat(chat_template=...)``,
+vLLM's names) is loaded by :func:`load_chat_template` and checked by :func:`check_chat_template`.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import jinja2
 import jinja2.ext
@@ -111,6 +115,51 @@ def resolve_content_format(content_format: str, tokenizer, chat_template: str | 
     return detect_content_format(text) if isinstance(text, str) else "string"
 
 
+def load_chat_template(value: str) -> str:
+    """The template text of vLLM's ``--chat-template`` value: the contents of the file ``value`` names
+    when it can be opened, else ``value`` itself when it contains a Jinja character (``{``, ``}`` or a
+    newline); checked with :func:`check_chat_template`. Raises ValueError for a value that looks like a
+    file path (no Jinja character) but cannot be opened, and for a template that does not parse.
+    Rule from vLLM's ``load_chat_template`` (``vllm/entrypoints/chat_utils.py``)."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the chat template file {os.path.abspath(value)!r} is not UTF-8 text ({e})") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        if not any(c in value for c in "{}\n"):
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"the chat template {value!r} looks like a file path, but it cannot be opened "
+                             f"({reason}); give a readable file or the template text itself") from None
+        text = value
+    return check_chat_template(text)
+
+
+def check_chat_template(chat_template) -> str:
+    """``chat_template`` if it is a string that jinja2 parses (with transformers' extensions: loop
+    controls and ``{% generation %}``); raises ValueError naming the line and jinja2's message otherwise
+    (a syntax error found when the template is given, not at the first chat request)."""
+    if not isinstance(chat_template, str):
+        raise ValueError(f"chat_template must be a string (Jinja template text), got {type(chat_template).__name__}")
+    try:
+        _environment().parse(chat_template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: line {e.lineno}: {e.message}") from None
+    return chat_template
+
+
+def template_error(e: Exception, content_format: str) -> ValueError:
+    """The ValueError for a chat template that failed to render with message content in
+    ``content_format`` (``string`` or ``openai``): names the error and, for ``openai``, suggests
+    ``string`` (a template written for string content fails on a list of parts, e.g. a jinja2
+    TypeError concatenating it)."""
+    hint = ("; chat_template_content_format 'openai' gives the template each message's content as a list of "
+            "{'type': 'text', 'text': ...} parts: if the template expects a string, use "
+            "chat_template_content_format='string' (--chat-template-content-format string)"
+            if content_format == "openai" else "")
+    return ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}{hint}")
+
+
 class _GenerationBlock(jinja2.ext.Extension):
     """transformers' ``{% generation %}...{% endgeneration %}`` (it marks assistant tokens when rendering):
     parsed as its body, so that templates using it can be inspected."""
@@ -121,15 +170,21 @@ class _GenerationBlock(jinja2.ext.Extension):
         return nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True)).set_lineno(lineno)
 
 
+def _environment() -> jinja2.Environment:
+    """A jinja2 environment that parses what transformers' chat templates may use."""
+    return jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+
+
 @functools.lru_cache(maxsize=64)
 def detect_content_format(chat_template: str) -> str:
     """``openai`` when the Jinja ``chat_template`` loops over a message's content (module docstring),
     else ``string``; also ``string`` (logged) when jinja2 cannot parse the template."""
     try:
-        root = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock]).parse(chat_template)
+        root = _environment().parse(chat_template)
     except jinja2.TemplateSyntaxError as e:
         logger.warning("cannot parse the chat template to detect its content format (%s); using 'string' "
-                       "(set --chat-template-content-format to choose)", e)
+                       "(to choose: --chat-template-content-format for the server, "
+                       "LLM.chat(..., chat_template_content_format=...) offline)", e)
         return "string"
     loops = list(root.find_all(nodes.For))
     message_vars = {loop.target.name for loop in loops

@@ -31,7 +31,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import longflash
-from longflash.entrypoints.chat_utils import check_content_format, normalize_messages, resolve_content_format
+from longflash.entrypoints.chat_utils import (check_chat_template, check_content_format, normalize_messages,
+                                              resolve_content_format, template_error)
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids
 from longflash.entrypoints.server.async_engine import (AsyncEngine, EngineRequestError, RequestStream, ServerShuttingDown,
                                                        merge_streams)
@@ -119,14 +120,61 @@ def _chat_ids(engine, messages: list[ChatMessage], add_generation_prompt: bool, 
     if engine.tokenizer is None:
         raise ValueError("chat needs a tokenizer; the server was started with --skip-tokenizer-init")
     kwargs = kwargs or {}
+    fmt = resolve_content_format(content_format, engine.tokenizer, kwargs.get("chat_template"))
     try:
-        fmt = resolve_content_format(content_format, engine.tokenizer, kwargs.get("chat_template"))
         return _ids_of(engine.tokenizer.apply_chat_template(
             _message_dicts(messages, fmt), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs))
     except ValueError:
         raise
-    except Exception as e:  # jinja2 errors, bad chat_template_kwargs
-        raise ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}") from e
+    except Exception as e:  # jinja2 errors, a TypeError on content of the other format
+        raise template_error(e, fmt) from e
+
+
+# chat_template_kwargs keys that the server's apply_chat_template call sets or that change what it returns
+# (transformers' parameters): a request may not set them. add_generation_prompt and continue_final_message
+# it may (vLLM merges chat_template_kwargs over them); chat_template needs --trust-request-chat-template.
+RESERVED_TEMPLATE_KWARGS = ("conversation", "conversations", "messages", "tokenize", "return_dict", "return_tensors",
+                            "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs")
+
+
+def _template_kwargs(req: ChatCompletionRequest, default_template: str | None, trusted: bool) -> tuple[bool, dict]:
+    """``(add_generation_prompt, kwargs of apply_chat_template)`` of a chat request: its
+    ``chat_template_kwargs`` over its ``add_generation_prompt`` / ``continue_final_message`` fields (as
+    vLLM), the request's ``chat_template`` (only when ``trusted``) else ``default_template`` (the
+    server's ``--chat-template``; None: the tokenizer's). Raises ApiError 400 naming the field."""
+    given = req.chat_template_kwargs or {}
+    kwargs = dict(given)
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise ApiError(400, f"chat_template_kwargs may not set {key!r}: the server sets the chat template "
+                           "call's messages and output itself", param=f"chat_template_kwargs.{key}",
+                           code="invalid_value")
+    agp = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
+    if req.continue_final_message:
+        kwargs.setdefault("continue_final_message", True)
+    if kwargs.get("continue_final_message") and agp:
+        key = next((k for k in ("add_generation_prompt", "continue_final_message") if k in given), None)
+        raise ApiError(400, "continue_final_message needs add_generation_prompt set to false",
+                       param=f"chat_template_kwargs.{key}" if key else "continue_final_message", code="invalid_value")
+    if "chat_template" in kwargs and not trusted:  # the same template by another door
+        raise ApiError(400, "chat_template_kwargs may not set chat_template unless the server is started with "
+                       "--trust-request-chat-template (a template runs on the engine thread)",
+                       param="chat_template_kwargs.chat_template", code="invalid_value")
+    if req.chat_template is not None:
+        if not trusted:
+            raise ApiError(400, "a request chat_template is refused unless the server is started with "
+                           "--trust-request-chat-template (a template runs on the engine thread)",
+                           param="chat_template", code="invalid_value")
+        kwargs["chat_template"] = req.chat_template
+    if "chat_template" in kwargs:  # a request's own: a syntax error is named (not a 'string' format fallback)
+        field = "chat_template" if req.chat_template is not None else "chat_template_kwargs.chat_template"
+        try:
+            check_chat_template(kwargs["chat_template"])
+        except ValueError as e:
+            raise ApiError(400, str(e), param=field, code="invalid_value") from None
+    if default_template is not None:
+        kwargs.setdefault("chat_template", default_template)
+    return agp, kwargs
 
 
 def _max_tokens_field(req) -> str:
@@ -145,7 +193,8 @@ class _Server:
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], model_path: str,
                  metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, speculative_config: dict | None,
-                 trust_request_chat_template: bool = False, chat_template_content_format: str = "auto"):
+                 trust_request_chat_template: bool = False, chat_template_content_format: str = "auto",
+                 chat_template: str | None = None):
         self.ae = async_engine
         self.engine = async_engine.engine
         self.names = served_model_names
@@ -157,6 +206,7 @@ class _Server:
         self.speculative_config = speculative_config
         self.trust_request_chat_template = trust_request_chat_template
         self.content_format = check_content_format(chat_template_content_format)
+        self.chat_template = None if chat_template is None else check_chat_template(chat_template)
         self.created = int(time.time())
         gc = self.engine.generation_config
         self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gc}
@@ -414,14 +464,16 @@ def _held_back(params: SamplingParams) -> int:
 def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_path: str, metrics: ServerMetrics,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               speculative_config: dict | None = None, trust_request_chat_template: bool = False,
-              chat_template_content_format: str = "auto") -> FastAPI:
+              chat_template_content_format: str = "auto", chat_template: str | None = None) -> FastAPI:
     """The FastAPI app. Starts ``async_engine`` on start-up and stops it on shutdown. A request's own
     ``chat_template`` is refused unless ``trust_request_chat_template`` (vLLM's
     ``--trust-request-chat-template``): templates run on the engine thread, so one could stall every user.
     ``chat_template_content_format`` (vLLM's ``--chat-template-content-format``): auto, string or openai
-    (``chat_utils.py``); ValueError for another value."""
+    (``chat_utils.py``); ValueError for another value. ``chat_template`` (the text of vLLM's
+    ``--chat-template``): the template of every chat request instead of the tokenizer's (a request's own,
+    when trusted, still wins); ValueError if it does not parse."""
     srv = _Server(async_engine, served_model_names, model_path, metrics, api_key, max_body_bytes, speculative_config,
-                  trust_request_chat_template, chat_template_content_format)
+                  trust_request_chat_template, chat_template_content_format, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -487,7 +539,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             if engine.tokenizer is None:
                 raise ValueError("the server was started with --skip-tokenizer-init")
             if req.messages is not None:
-                return _chat_ids(engine, req.messages, req.add_generation_prompt, None, srv.content_format)
+                kwargs = {"chat_template": srv.chat_template} if srv.chat_template is not None else None
+                return _chat_ids(engine, req.messages, req.add_generation_prompt, kwargs, srv.content_format)
             return list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
 
         try:
@@ -606,23 +659,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             raise ApiError(400, f"top_logprobs must be in [0, {srv.max_logprobs}], got {top_n}",
                            param="top_logprobs", code="invalid_value")
         params = srv.sampling_params(req, max_tokens, top_n if req.logprobs else None)
-        if req.continue_final_message and req.add_generation_prompt:
-            raise ApiError(400, "continue_final_message needs add_generation_prompt set to false",
-                           param="continue_final_message", code="invalid_value")
-        messages, agp = req.messages, req.add_generation_prompt
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.continue_final_message:
-            kwargs["continue_final_message"] = True
-        if "chat_template" in kwargs and not srv.trust_request_chat_template:  # the same template by another door
-            raise ApiError(400, "chat_template_kwargs may not set chat_template unless the server is started with "
-                           "--trust-request-chat-template (a template runs on the engine thread)",
-                           param="chat_template_kwargs.chat_template", code="invalid_value")
-        if req.chat_template is not None:
-            if not srv.trust_request_chat_template:
-                raise ApiError(400, "a request chat_template is refused unless the server is started with "
-                               "--trust-request-chat-template (a template runs on the engine thread)",
-                               param="chat_template", code="invalid_value")
-            kwargs["chat_template"] = req.chat_template
+        messages = req.messages
+        agp, kwargs = _template_kwargs(req, srv.chat_template, srv.trust_request_chat_template)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs, srv.content_format),
                                 params, _max_tokens_field(req))

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from longflash.config import parse_bytes
-from longflash.entrypoints.chat_utils import CONTENT_FORMATS
+from longflash.entrypoints.chat_utils import CONTENT_FORMATS, load_chat_template
 
 logger = logging.getLogger("longflash.server")
 
@@ -38,6 +38,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each finished request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--chat-template", default=None,
+                   help="the chat template of every chat request instead of the tokenizer's: a file, or the Jinja "
+                        "template text itself (vLLM's rule: a value that is not a readable file is the template, "
+                        "if it contains '{', '}' or a newline)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template in chat requests (off by default, as in vLLM: a template runs on "
                         "the engine thread, so a costly one stalls every request)")
@@ -90,6 +94,13 @@ def run_server(args: argparse.Namespace) -> int:
     if busy is not None:  # before loading the model, not after it
         print(f"error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)
         return 2
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = load_chat_template(args.chat_template)
+        except ValueError as e:
+            print(f"error: --chat-template: {e}", file=sys.stderr)
+            return 2
     try:
         config = engine_config_from_args(args)
         engine = LLMEngine(config)  # logs the start-up report: load time, KV cache tokens/blocks, concurrency
@@ -115,7 +126,10 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(async_engine, names, config.model, metrics, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes,
                     speculative_config=spec, trust_request_chat_template=args.trust_request_chat_template,
-                    chat_template_content_format=args.chat_template_content_format)
+                    chat_template_content_format=args.chat_template_content_format, chat_template=chat_template)
+    if chat_template is not None:
+        logger.info("chat template: from --chat-template (%d characters), instead of the tokenizer's",
+                    len(chat_template))
     logger.info("serving %s as %s on http://%s:%d", config.model, ", ".join(names), args.host, args.port)
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -57,9 +57,12 @@
 # x2d  multi_gpu_dsv3_fp8_x2d DSV3 fp8 + chunked at tp2/dcp2 and tp2/dcp1 with the one-GPU bf16     300       330
 #                           engine on the same prompt (the fp8 bound's bf16 tolerance, 90dd298)
 #      nccl_smoke_x2d       as x2c, budget for DFlash tp2/dcp2 and the killed worker             180       210
+# x2e  nccl_smoke_x2e        default model tp2/dcp2 vs one GPU after session 21's model changes   110       130
+#      multi_gpu_dsv3_x2e   DSV3 bf16 + fp32 at tp2/dcp2 vs one GPU (the carried residual stream,  200       240
+#                           q_a + kv_a in one GEMM, the one-launch MoE combine under NCCL)
 # Done at 6ec782b (results/multi_gpu_x4): x4a, x4b, x4c. Left: x4d, then x4e (x2a / x2b run on 4 GPUs too).
 set -u
-CALL=${CALL:?set CALL to x2a .. x2d or x4a .. x4e}
+CALL=${CALL:?set CALL to x2a .. x2e or x4a .. x4e}
 BUDGET_S=${BUDGET_S:-555}; T0=${T0:-$(date +%s)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -117,6 +120,10 @@ case $CALL in
     run dcp_nccl_gpu_tests 130 $PYTEST tests/test_dcp_nccl_gpu.py
     run multi_gpu_dsv3_fp8_x2 240 $MG --out "$R/multi_gpu_dsv3_fp8_x2" --world 2 --dcps 2 --sections dsv3 \
       --dsv3-kinds fp8 --budget-s 220 ;;
+  x2e)  # session 21's model changes under NCCL (residual carried into the norms, q_a + kv_a GEMM, MoE combine)
+    run nccl_smoke_x2e 130 $SMOKE --out "$R/nccl_smoke_x2e" --configs 2x2 --budget-s 110
+    run multi_gpu_dsv3_x2e 240 $MG --out "$R/multi_gpu_dsv3_x2e" --world 2 --dcps 2 --sections dsv3 \
+      --dsv3-kinds bf16,fp32 --budget-s 215 ;;
   x2c)
     run nccl_smoke_x2c 130 $SMOKE --out "$R/nccl_smoke_x2c" --configs 2x2 --budget-s 110
     run dcp_nccl_gpu_tests 130 $PYTEST tests/test_dcp_nccl_gpu.py

@@ -31,8 +31,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import longflash
-from longflash.entrypoints.chat_utils import (check_chat_template, check_content_format, normalize_messages,
-                                              resolve_content_format, template_error)
+from longflash.entrypoints.chat_request import ChatOptionError, render_chat, template_options
+from longflash.entrypoints.chat_utils import check_chat_template, check_content_format
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids
 from longflash.entrypoints.server.async_engine import (AsyncEngine, EngineRequestError, RequestStream, ServerShuttingDown,
                                                        merge_streams)
@@ -99,82 +99,20 @@ def _param_of(message: str) -> str | None:
     return None
 
 
-def _ids_of(encoded) -> list[int]:
-    """Token ids from ``apply_chat_template(tokenize=True)`` (a list or a BatchEncoding)."""
-    if hasattr(encoded, "keys"):
-        encoded = encoded["input_ids"]
-    return [int(t) for t in encoded]
+def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """The request's messages as dicts (validated again and put in the content format by
+    ``chat_request.render_chat``)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
 
 
-def _message_dicts(messages: list[ChatMessage], content_format: str) -> list[dict]:
-    """Validated messages as the chat template takes them (``chat_utils.normalize_messages``; content as
-    one string, text parts joined with newlines as vLLM does, or as a list of text parts)."""
-    return normalize_messages([m.model_dump(exclude_none=True) for m in messages], content_format)
-
-
-def _chat_ids(engine, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None,
-              content_format: str = "auto") -> list[int]:
-    """Apply the chat template (``kwargs["chat_template"]`` or the tokenizer's), giving it message content
-    in ``content_format`` (``auto``: detected from that template; ``chat_utils.py``). Runs on the engine
-    thread. Raises ValueError."""
-    if engine.tokenizer is None:
-        raise ValueError("chat needs a tokenizer; the server was started with --skip-tokenizer-init")
-    kwargs = kwargs or {}
-    fmt = resolve_content_format(content_format, engine.tokenizer, kwargs.get("chat_template"))
+def _template_options(req, default_template: str | None, trusted: bool) -> tuple[bool, dict]:
+    """``chat_request.template_options`` of a chat or tokenize request; ApiError 400 naming the field."""
     try:
-        return _ids_of(engine.tokenizer.apply_chat_template(
-            _message_dicts(messages, fmt), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs))
-    except ValueError:
-        raise
-    except Exception as e:  # jinja2 errors, a TypeError on content of the other format
-        raise template_error(e, fmt) from e
-
-
-# chat_template_kwargs keys that the server's apply_chat_template call sets or that change what it returns
-# (transformers' parameters): a request may not set them. add_generation_prompt and continue_final_message
-# it may (vLLM merges chat_template_kwargs over them); chat_template needs --trust-request-chat-template.
-RESERVED_TEMPLATE_KWARGS = ("conversation", "conversations", "messages", "tokenize", "return_dict", "return_tensors",
-                            "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs")
-
-
-def _template_kwargs(req: ChatCompletionRequest, default_template: str | None, trusted: bool) -> tuple[bool, dict]:
-    """``(add_generation_prompt, kwargs of apply_chat_template)`` of a chat request: its
-    ``chat_template_kwargs`` over its ``add_generation_prompt`` / ``continue_final_message`` fields (as
-    vLLM), the request's ``chat_template`` (only when ``trusted``) else ``default_template`` (the
-    server's ``--chat-template``; None: the tokenizer's). Raises ApiError 400 naming the field."""
-    given = req.chat_template_kwargs or {}
-    kwargs = dict(given)
-    for key in RESERVED_TEMPLATE_KWARGS:
-        if key in kwargs:
-            raise ApiError(400, f"chat_template_kwargs may not set {key!r}: the server sets the chat template "
-                           "call's messages and output itself", param=f"chat_template_kwargs.{key}",
-                           code="invalid_value")
-    agp = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
-    if req.continue_final_message:
-        kwargs.setdefault("continue_final_message", True)
-    if kwargs.get("continue_final_message") and agp:
-        key = next((k for k in ("add_generation_prompt", "continue_final_message") if k in given), None)
-        raise ApiError(400, "continue_final_message needs add_generation_prompt set to false",
-                       param=f"chat_template_kwargs.{key}" if key else "continue_final_message", code="invalid_value")
-    if "chat_template" in kwargs and not trusted:  # the same template by another door
-        raise ApiError(400, "chat_template_kwargs may not set chat_template unless the server is started with "
-                       "--trust-request-chat-template (a template runs on the engine thread)",
-                       param="chat_template_kwargs.chat_template", code="invalid_value")
-    if req.chat_template is not None:
-        if not trusted:
-            raise ApiError(400, "a request chat_template is refused unless the server is started with "
-                           "--trust-request-chat-template (a template runs on the engine thread)",
-                           param="chat_template", code="invalid_value")
-        kwargs["chat_template"] = req.chat_template
-    if "chat_template" in kwargs:  # a request's own: a syntax error is named (not a 'string' format fallback)
-        field = "chat_template" if req.chat_template is not None else "chat_template_kwargs.chat_template"
-        try:
-            check_chat_template(kwargs["chat_template"])
-        except ValueError as e:
-            raise ApiError(400, str(e), param=field, code="invalid_value") from None
-    if default_template is not None:
-        kwargs.setdefault("chat_template", default_template)
-    return agp, kwargs
+        return template_options(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+                                req.chat_template, default_template, trusted)
+    except ChatOptionError as e:
+        code = "unsupported_field" if e.param.endswith(".tools") else "invalid_value"
+        raise ApiError(400, str(e), param=e.param, code=code) from None
 
 
 def _max_tokens_field(req) -> str:
@@ -534,13 +472,15 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         srv.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt", code="invalid_value")
+        if req.messages is not None:
+            messages = _message_dicts(req.messages)
+            agp, kwargs = _template_options(req, srv.chat_template, srv.trust_request_chat_template)
 
         def fn(engine):
             if engine.tokenizer is None:
                 raise ValueError("the server was started with --skip-tokenizer-init")
-            if req.messages is not None:
-                kwargs = {"chat_template": srv.chat_template} if srv.chat_template is not None else None
-                return _chat_ids(engine, req.messages, req.add_generation_prompt, kwargs, srv.content_format)
+            if req.messages is not None:  # the chat route's prompt, from the same options
+                return render_chat(engine.tokenizer, messages, agp, kwargs, srv.content_format)[1]
             return list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
 
         try:
@@ -659,10 +599,11 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             raise ApiError(400, f"top_logprobs must be in [0, {srv.max_logprobs}], got {top_n}",
                            param="top_logprobs", code="invalid_value")
         params = srv.sampling_params(req, max_tokens, top_n if req.logprobs else None)
-        messages = req.messages
-        agp, kwargs = _template_kwargs(req, srv.chat_template, srv.trust_request_chat_template)
+        messages = _message_dicts(req.messages)
+        agp, kwargs = _template_options(req, srv.chat_template, srv.trust_request_chat_template)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await srv.add(rid, lambda engine: _chat_ids(engine, messages, agp, kwargs, srv.content_format),
+        streams = await srv.add(rid, lambda engine: render_chat(engine.tokenizer, messages, agp, kwargs,
+                                                                srv.content_format)[1],
                                 params, _max_tokens_field(req))
         created = int(time.time())
 

@@ -78,6 +78,17 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
 
 
+class _ChatTemplateFields(_Strict):
+    """The chat template options of a chat or tokenize request (vLLM's): ``continue_final_message`` leaves
+    the last (assistant) message open for the model to continue; ``chat_template`` replaces the
+    tokenizer's (needs --trust-request-chat-template); ``chat_template_kwargs`` go to the template, over
+    the two flags. Checked by ``chat_request.template_options``."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -99,25 +110,30 @@ class ChatMessage(_Strict):
         return v
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    # vLLM's extras: leave the last (assistant) message open for the model to continue; a Jinja chat
-    # template replacing the tokenizer's (rendered by transformers' sandboxed environment)
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatTemplateFields):
+    """``prompt`` (text) or ``messages``: the latter rendered exactly as a chat request with the same
+    template fields renders it (``chat_request.py``)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
-    add_generation_prompt: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_tools(cls, data: Any) -> Any:
+        """``tools`` would change the rendered prompt (a chat request refuses it too)."""
+        if isinstance(data, dict):
+            for name in ("tools", "functions"):
+                if data.get(name):
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
 
 
 class DetokenizeRequest(_Strict):

@@ -1,0 +1,86 @@
+"""One render path for a chat request (``entrypoints/chat_request.py``): ``/tokenize`` with ``messages``
+renders exactly the chat route's prompt from the same fields and refuses what it refuses; ``LLM.chat``
+takes vLLM's template keywords with the same checks (found by a fresh user)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from longflash import LLM, SamplingParams
+from longflash.config import EngineConfig
+from longflash.engine.llm_engine import LLMEngine
+from longflash.entrypoints.server.api_server import build_app
+from longflash.entrypoints.server.async_engine import AsyncEngine
+from longflash.entrypoints.server.metrics import ServerMetrics
+from server_fixtures import make_tiny_model
+
+OPEN_TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+OTHER = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_paths") / "model"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    ae = AsyncEngine(LLMEngine(EngineConfig(model=model_dir, max_model_len=128, num_gpu_blocks=32)),
+                     ServerMetrics("m"))
+    ae.start()
+    yield ae
+    ae.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    return build_app(engine, ["m"], "p", ServerMetrics("m1"), trust_request_chat_template=True)
+
+
+def _post(app, path: str, body: dict) -> httpx.Response:
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, json=body)
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("fields", [
+    {"continue_final_message": True, "add_generation_prompt": False},
+    {"chat_template_kwargs": {"add_generation_prompt": False}},
+    {"chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True}},
+    {"chat_template": OTHER},
+    {"chat_template_kwargs": {"chat_template": OTHER}},
+])
+def test_tokenize_messages_renders_the_chat_prompt(app, fields):
+    """/tokenize ignored these fields (it rendered with add_generation_prompt and the default template)."""
+    tok = _post(app, "/tokenize", {"messages": OPEN_TURN, **fields})
+    chat = _post(app, "/v1/chat/completions", {"messages": OPEN_TURN, "max_tokens": 1, "temperature": 0, **fields})
+    assert tok.status_code == 200 and chat.status_code == 200, (tok.text, chat.text)
+    plain = _post(app, "/tokenize", {"messages": OPEN_TURN}).json()["count"]
+    assert tok.json()["count"] == chat.json()["usage"]["prompt_tokens"] != plain
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ({"chat_template_kwargs": {"return_dict": True}}, "chat_template_kwargs.return_dict"),
+    ({"chat_template_kwargs": ["add_generation_prompt"]}, "chat_template_kwargs"),
+    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt: true
+    ({"chat_template_kwargs": {"continue_final_message": "yes"}}, "chat_template_kwargs.continue_final_message"),
+    ({"chat_template_kwargs": {"add_generation_prompt": 0}}, "chat_template_kwargs.add_generation_prompt"),
+    ({"chat_template_kwargs": {"tools": [{"type": "function"}]}}, "chat_template_kwargs.tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+])
+def test_tokenize_refuses_what_chat_refuses(app, fields, param):
+    for path, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 1})):
+        r = _post(app, path, {"messages": OPEN_TURN, **fields, **extra})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == param, (path, r.text)
+
+
+def test_untrusted_request_template_refused_by_tokenize(engine):
+    app = build_app(engine, ["m"], "p", ServerMetrics("m2"))
+    r = _post(app, "/tokenize", {"messages": OPEN_TURN, "chat_template": OTHER})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text

@@ -21,7 +21,7 @@ from longflash.attention.dispatch import cache_ops
 from longflash.attention.chunked_context import DEFAULT_CONTEXT_WORKSPACE_ROWS, plan_context_chunks
 from longflash.distributed import dcp as dcp_ops
 from longflash.distributed.comm import GroupCoordinator, get_parallel_state
-from longflash.layers.norm import RMSNorm, norm_pair
+from longflash.layers.norm import RMSNorm
 from longflash.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_evenly
 from longflash.layers.rotary import RotaryEmbedding
 from longflash.runner.context import get_forward_context
@@ -126,14 +126,11 @@ class MLAAttention(nn.Module):
                                                                   self.q_lora_rank], dim=-1)
             else:
                 q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        if self.q_lora_rank is not None:  # the q_a and kv_c norms: one launch on the GPU
-            q_a, kv_c = norm_pair(self.q_a_layernorm, q_a, self.kv_a_layernorm, kv_c)
-            q = self.q_b_proj(q_a)
-        else:
-            kv_c = self.kv_a_layernorm(kv_c)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(T, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
         if self.rotary is not None:  # one launch on CUDA (cos/sin computed in-kernel), the reference elsewhere
             q_pe, k_pe = self.rotary.rotate_qk(q_pe, k_pe, ctx.positions)
         if self.calculate_kv_scales and self._k_scale() is not None:

@@ -42,25 +42,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(s, weight, eps), s
 
 
-def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor, weight_b: torch.Tensor,
-                  eps_b: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two independent RMSNorms of the same rows: (``rms_norm(a, weight_a, eps_a)``,
-    ``rms_norm(b, weight_b, eps_b)``), a [T, Da], b [T, Db]. The reference of
-    ``norm_triton.rms_norm_pair_triton`` (one launch for MLA's q_a and kv_c norms)."""
-    return rms_norm(a, weight_a, eps_a), rms_norm(b, weight_b, eps_b)
-
-
-def norm_pair(norm_a: "RMSNorm", a: torch.Tensor, norm_b: "RMSNorm", b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm_a(a), norm_b(b))``, in one launch on the GPU when both are 2-D with the same rows and
-    weights of their inputs' dtypes (:func:`rms_norm_pair`); otherwise the two modules."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, norm_a.weight, norm_b.weight))
-    if a.is_cuda and b.is_cuda and a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[0] and not needs_grad \
-            and norm_a.weight.dtype == a.dtype and norm_b.weight.dtype == b.dtype:
-        from longflash.layers.norm_triton import rms_norm_pair_triton
-        return rms_norm_pair_triton(a, norm_a.weight, norm_a.eps, b, norm_b.weight, norm_b.eps)
-    return norm_a(a), norm_b(b)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

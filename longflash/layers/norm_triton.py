@@ -18,10 +18,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rows(pid, x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps, res_ptr, res_out_ptr, stride_r,
-               BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Rows pid·BLOCK_ROWS.. of one RMSNorm (with the residual add first under HAS_RESIDUAL)."""
-    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps, res_ptr, res_out_ptr, stride_r,
+                     BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n_rows
     cmask = cols < D
@@ -40,27 +39,6 @@ def _norm_rows(pid, x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps, r
     tl.store(out_ptr + r64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps, res_ptr, res_out_ptr, stride_r,
-                     BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    _norm_rows(tl.program_id(0), x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps, res_ptr, res_out_ptr,
-               stride_r, BLOCK_D, BLOCK_ROWS, HAS_RESIDUAL)
-
-
-@triton.jit
-def _rms_norm_pair_kernel(a_ptr, wa_ptr, oa_ptr, Da, stride_a, stride_oa, eps_a,
-                          b_ptr, wb_ptr, ob_ptr, Db, stride_b, stride_ob, eps_b, n_rows,
-                          BLOCK_DA: tl.constexpr, BLOCK_RA: tl.constexpr, BLOCK_DB: tl.constexpr,
-                          BLOCK_RB: tl.constexpr):
-    # axis 1 picks the tensor; each is normalized with its own tile, as by its own launch
-    if tl.program_id(1) == 0:
-        _norm_rows(tl.program_id(0), a_ptr, wa_ptr, oa_ptr, n_rows, Da, stride_a, stride_oa, eps_a, a_ptr, oa_ptr,
-                   stride_a, BLOCK_DA, BLOCK_RA, False)
-    else:
-        _norm_rows(tl.program_id(0), b_ptr, wb_ptr, ob_ptr, n_rows, Db, stride_b, stride_ob, eps_b, b_ptr, ob_ptr,
-                   stride_b, BLOCK_DB, BLOCK_RB, False)
-
-
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
     t2 = t.reshape(-1, D)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -76,40 +54,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     res_out = torch.empty_like(out) if residual is not None else out
     n = x2.shape[0]
     if n:
-        BLOCK_D, BLOCK_ROWS = _tile(D)
+        BLOCK_D = triton.next_power_of_2(D)
+        BLOCK_ROWS = max(1, min(16, 4096 // BLOCK_D))
         _rms_norm_kernel[(triton.cdiv(n, BLOCK_ROWS),)](x2, weight, out, n, D, x2.stride(0), out.stride(0), float(eps),
                                                         r2, res_out, r2.stride(0), BLOCK_D=BLOCK_D,
                                                         BLOCK_ROWS=BLOCK_ROWS, HAS_RESIDUAL=residual is not None,
                                                         num_warps=4 if BLOCK_D <= 2048 else 8)
     return out.view(x.shape), res_out.view(x.shape)
-
-
-def _tile(D: int) -> tuple[int, int]:
-    BLOCK_D = triton.next_power_of_2(D)
-    return BLOCK_D, max(1, min(16, 4096 // BLOCK_D))
-
-
-def rms_norm_pair_triton(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
-                         weight_b: torch.Tensor, eps_b: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`longflash.layers.norm.rms_norm_pair`: two RMSNorms of the same rows
-    (a [T, Da], b [T, Db], e.g. MLA's q_a and kv_c, strided views of one GEMM's output) in one launch,
-    each computed as :func:`rms_norm_triton` computes it alone. Returns (norm a, norm b) in their dtypes.
-    Raises ValueError for row counts that differ or weights that are not [D] of their input's dtype."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
-        raise ValueError(f"a and b must be [T, D] with the same T, got {tuple(a.shape)} and {tuple(b.shape)}")
-    for x, w in ((a, weight_a), (b, weight_b)):
-        if w.shape != (x.shape[1],) or w.dtype != x.dtype:
-            raise ValueError(f"weight must be [{x.shape[1]}] of x's dtype {x.dtype}, got {tuple(w.shape)} {w.dtype}")
-    a2, b2 = _rows(a, a.shape[1]), _rows(b, b.shape[1])
-    oa, ob = torch.empty(a2.shape, dtype=a.dtype, device=a.device), torch.empty(b2.shape, dtype=b.dtype, device=b.device)
-    n = a2.shape[0]
-    if n:
-        (da, ra), (db, rb) = _tile(a.shape[1]), _tile(b.shape[1])
-        _rms_norm_pair_kernel[(max(triton.cdiv(n, ra), triton.cdiv(n, rb)), 2)](
-            a2, weight_a, oa, a.shape[1], a2.stride(0), oa.stride(0), float(eps_a),
-            b2, weight_b, ob, b.shape[1], b2.stride(0), ob.stride(0), float(eps_b), n,
-            BLOCK_DA=da, BLOCK_RA=ra, BLOCK_DB=db, BLOCK_RB=rb, num_warps=4 if max(da, db) <= 2048 else 8)
-    return oa, ob
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

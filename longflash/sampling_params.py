@@ -54,6 +54,13 @@ class SamplingParams:
             exist (stop strings still apply); 0 <= min_tokens <= max_tokens.
         logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling (after
             the min_tokens mask, before the penalties, as vLLM's V1 sampler; OpenAI's ``logit_bias``).
+        include_stop_str_in_output: keep the matched stop string at the end of the output text (vLLM's).
+        truncate_prompt_tokens: None (no truncation), k >= 1 (only the last k prompt tokens are used: left
+            truncation, vLLM's), or -1 (the last ``max_model_len`` tokens, vLLM's "-1 = the model's
+            limit"); the engine refuses k > ``max_model_len``.
+        allowed_token_ids: None, or a non-empty list of token ids: only these can be sampled (the other
+            logits are -inf before everything else, as vLLM's allowed-token-ids mask); the engine refuses
+            an id outside the vocabulary.
     The penalties follow vLLM's ``SamplingParams`` (and OpenAI's API for presence/frequency); the
     sampler applies them in vLLM's order (``runner/sampler.py``).
     Raises:
@@ -77,6 +84,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +97,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     @property
@@ -118,7 +130,7 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -159,6 +171,14 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
                 if not _is_real(b) or not -100.0 <= b <= 100.0:  # NaN fails the range
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 (keep the last k prompt tokens) or -1 "
+                             f"(the model's max_model_len), got {k!r}")
+        if self.allowed_token_ids is not None:
+            a = self.allowed_token_ids
+            if not isinstance(a, list) or not a or not all(_is_int(t) and t >= 0 for t in a):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got {a!r}")
 
 
 def _is_real(x) -> bool:

@@ -481,8 +481,11 @@ class LLMEngine:
         """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids": [...]}``. A left-out or
         None ``params.max_tokens`` is resolved by :meth:`max_output_tokens` on a copy of ``params``.
 
+        ``params.truncate_prompt_tokens`` keeps the prompt's last k tokens (:meth:`_truncated`).
+
         Returns the request id. Raises ValueError (nothing is queued) for invalid input (also logprobs
-        above ``max_logprobs``), RuntimeError after :meth:`shutdown`.
+        above ``max_logprobs``, token ids of ``allowed_token_ids`` / ``logit_bias`` / ``stop_token_ids``
+        outside the vocabulary), RuntimeError after :meth:`shutdown`.
         """
         if getattr(self, "_shut_down", False):
             raise RuntimeError("this engine was shut down; create a new one")
@@ -510,6 +513,10 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in (params.allowed_token_ids or []) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        ids = self._truncated(ids, params.truncate_prompt_tokens)
         if params.n != 1:
             raise ValueError(f"n must be 1 for LLMEngine.add_request, got {params.n}; LLM.generate and the "
                              "server fan n > 1 out into n requests")
@@ -527,6 +534,18 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _truncated(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last ``truncate_prompt_tokens`` of ``ids`` (vLLM's left truncation; -1: the last
+        ``max_model_len``; None: all). Raises ValueError for a value above ``max_model_len`` (vLLM)."""
+        k = truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = self.max_model_len
+        elif k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) must be <= max_model_len ({self.max_model_len})")
+        return ids[-k:]
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its KV blocks at once. Returns False if it was unknown."""

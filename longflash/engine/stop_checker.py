@@ -2,7 +2,8 @@
 
 EOS ends a request with finish_reason "stop" (the token id is kept, the text omits it when special
 tokens are skipped); a ``stop_token_ids`` hit likewise, with ``stop_reason`` = that id; a stop string
-ends it with the text truncated before the match and ``stop_reason`` = that string; ``max_tokens`` or
+ends it with the text truncated before the match (after it with ``include_stop_str_in_output``) and
+``stop_reason`` = that string; ``max_tokens`` or
 ``max_model_len`` end it with "length".
 """
 
@@ -46,7 +47,7 @@ class StopChecker:
                 if idx != -1 and (best is None or idx < best[0]):
                     best = (idx, s)
             if best is not None:
-                seq.output_text = text[:best[0]]
+                seq.output_text = text[:best[0] + (len(best[1]) if params.include_stop_str_in_output else 0)]
                 seq.finish_reason, seq.stop_reason = "stop", best[1]
                 return True
         eos = not params.ignore_eos and token in self.eos_token_ids

@@ -17,12 +17,14 @@ from longflash.sampling_params import SamplingParams
 def needs_logits_processing(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when ``process_logits`` changes this request's logits at its next position: a penalty is
     set, or fewer than ``min_tokens`` output tokens exist. False keeps the plain (free) path."""
-    return params.has_penalties or num_output_tokens < params.min_tokens or bool(params.logit_bias)
+    return (params.has_penalties or num_output_tokens < params.min_tokens or bool(params.logit_bias)
+            or params.allowed_token_ids is not None)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_token_ids: list[int],
                    output_token_ids: list[int], draft_token_ids: list[int], eos_token_ids: set[int]) -> torch.Tensor:
-    """The min_tokens mask, the logit bias and the penalties for the rows of one request's verify step.
+    """The allowed-token-ids mask, the min_tokens mask, the logit bias and the penalties for the rows of
+    one request's verify step (vLLM V1's order: ``allowed_token_ids`` first).
 
     Row k scores the position after ``output_token_ids + draft_token_ids[:k]``: under speculative
     decoding the target reaches row k only when drafts 1..k were accepted, so they count as output
@@ -49,6 +51,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_token_id
     if len(draft_token_ids) < rows - 1:
         raise ValueError(f"{rows} rows need {rows - 1} draft tokens, got {len(draft_token_ids)}")
     logits = logits.to(torch.float32, copy=True)
+    if params.allowed_token_ids is not None:
+        apply_allowed_token_ids(logits, params.allowed_token_ids)
     if params.min_tokens:
         apply_min_tokens(logits, len(output_token_ids), params.min_tokens,
                          set(eos_token_ids) | set(params.stop_token_ids))
@@ -62,6 +66,16 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_token_id
         apply_penalties(logits, prompt_token_ids, counts, params.repetition_penalty, params.frequency_penalty,
                         params.presence_penalty)
     return logits
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed_token_ids: list[int]) -> None:
+    """In place: -inf in every column of logits [R, V] but ``allowed_token_ids`` (vLLM's
+    ``allowed_token_ids``: only they can be sampled). Ids outside [0, V) are ignored (the engine refuses
+    them at add_request)."""
+    keep = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+    ids = [t for t in allowed_token_ids if 0 <= t < logits.shape[1]]
+    keep[torch.tensor(ids, dtype=torch.long, device=logits.device)] = False
+    logits[:, keep] = float("-inf")
 
 
 def apply_min_tokens(logits: torch.Tensor, num_output_tokens: int, min_tokens: int, stop_ids: set[int]) -> None:

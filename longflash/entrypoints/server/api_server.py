@@ -47,7 +47,8 @@ logger = logging.getLogger("longflash.server")
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs", "stop", "seed", "n",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "logit_bias",
-                 "ignore_eos", "skip_special_tokens")
+                 "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
+                 "allowed_token_ids")
 MAX_N = 128  # completions per request; each is an engine request
 
 
@@ -266,7 +267,10 @@ class _Server:
                                   presence_penalty=pick("presence_penalty", 0.0),
                                   frequency_penalty=pick("frequency_penalty", 0.0),
                                   repetition_penalty=pick("repetition_penalty", 1.0), min_tokens=req.min_tokens,
-                                  logit_bias=_logit_bias(req.logit_bias))
+                                  logit_bias=_logit_bias(req.logit_bias),
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
+                                  truncate_prompt_tokens=req.truncate_prompt_tokens,
+                                  allowed_token_ids=req.allowed_token_ids)
         except ValueError as e:
             raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
 
@@ -395,7 +399,10 @@ def _usage_of(finals: list, n: int | None = None) -> dict:
 
 
 def _held_back(params: SamplingParams) -> int:
-    """Characters to hold back while streaming so that a stop string is never partly sent."""
+    """Characters to hold back while streaming so that a stop string is never partly sent (none when the
+    stop string is kept in the text: vLLM's ``include_stop_str_in_output``)."""
+    if params.include_stop_str_in_output:
+        return 0
     return max((len(s) for s in params.stop), default=1) - 1
 
 

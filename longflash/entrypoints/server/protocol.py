@@ -1,8 +1,10 @@
 """Request models (pydantic, strict types) and response builders in the OpenAI shapes.
 
 Unknown request fields are ignored (as vLLM does); a wrong type is a 400 naming the field. OpenAI fields
-that would change the output but are not implemented (``response_format`` other than text, ``tools`` /
-``functions``, ``suffix``) are a 400 naming the field, never silently ignored.
+and vLLM fields that would change the output but are not implemented (``response_format`` other than
+text, ``tools`` / ``functions``, ``suffix``, ``prompt_logprobs``, ``bad_words``, the ``guided_*`` fields and
+``structured_outputs``, ``reasoning_effort``, ``modalities`` other than ``["text"]``) are a 400 naming
+the field (code ``unsupported_field``), never silently ignored.
 Responses are plain dicts built by the functions below (the OpenAI JSON shapes).
 """
 
@@ -23,6 +25,11 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+# vLLM's structured-output (guided decoding) fields
+_STRUCTURED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                      "guided_whitespace_pattern", "structured_outputs")
 
 
 class _SamplingRequest(_Strict):
@@ -49,6 +56,11 @@ class _SamplingRequest(_Strict):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
     user: str | None = None
+    # vLLM's extras (SamplingParams): the stop string kept in the text; left truncation of the prompt
+    # (k >= 1 or -1); only these token ids can be sampled
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -64,6 +76,11 @@ class _SamplingRequest(_Strict):
                 "tool_choice": data.get("tool_choice") not in (None, "none"),
                 "suffix": bool(data.get("suffix")),
                 "prompt_logprobs": data.get("prompt_logprobs") is not None,
+                # vLLM's fields that constrain or change the output, not implemented here
+                "bad_words": bool(data.get("bad_words")),
+                **{name: data.get(name) is not None for name in _STRUCTURED_FIELDS},
+                "reasoning_effort": data.get("reasoning_effort") is not None,
+                "modalities": data.get("modalities") not in (None, ["text"]),
             }
             for name, bad in unsupported.items():
                 if bad:

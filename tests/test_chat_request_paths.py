@@ -84,3 +84,40 @@ def test_untrusted_request_template_refused_by_tokenize(engine):
     app = build_app(engine, ["m"], "p", ServerMetrics("m2"))
     r = _post(app, "/tokenize", {"messages": OPEN_TURN, "chat_template": OTHER})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, max_model_len=128, num_gpu_blocks=32)
+
+
+def test_offline_chat_takes_vllms_template_keywords(llm, app):
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    out = llm.chat(OPEN_TURN, sp, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHel"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+    same = _post(app, "/tokenize", {"messages": OPEN_TURN, "add_generation_prompt": False,
+                                    "continue_final_message": True}).json()["tokens"]
+    assert same == out.prompt_token_ids
+    kw = llm.chat(OPEN_TURN, sp, chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert kw.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHel<|im_end|>\n"
+    assert llm.chat(OPEN_TURN, sp)[0].prompt.endswith("Hel<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"continue_final_message": True}, "continue_final_message needs add_generation_prompt set to false"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs may not set 'tokenize'"),
+    ({"chat_template_kwargs": "x"}, "chat_template_kwargs must be a dict"),
+    ({"chat_template_kwargs": {"add_generation_prompt": "no"}}, "add_generation_prompt must be true or false"),
+    ({"tools": [{"type": "function"}]}, "tools is not supported"),
+])
+def test_offline_chat_refuses_what_the_server_refuses(llm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llm.chat(OPEN_TURN, SamplingParams(max_tokens=1), **kwargs)
+
+
+def test_offline_chat_render_error_names_the_conversation(llm):
+    raising = "{% if messages|length > 1 %}{{ raise_exception('too long') }}{% endif %}{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="conversation 1: cannot apply the chat template: .*too long"):
+        llm.chat([[{"role": "user", "content": "a"}], OPEN_TURN], SamplingParams(max_tokens=1),
+                 chat_template=raising)

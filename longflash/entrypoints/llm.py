@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 from longflash.config import EngineConfig
 from longflash.default_model_path import default_model_path
 from longflash.engine.llm_engine import LLMEngine
-from longflash.entrypoints.chat_utils import (check_chat_template, normalize_messages, resolve_content_format,
-                                              template_error)
+from longflash.entrypoints.chat_request import render_chat, template_options
+from longflash.entrypoints.chat_utils import check_content_format
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids, merge_outputs
 from longflash.outputs import RequestOutput
 from longflash.sampling_params import SamplingParams
@@ -123,40 +123,50 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False,
-             chat_template_content_format: str = "auto", chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template_content_format: str = "auto", chat_template: str | None = None,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of ``{"role", "content"}`` dicts) or a list
-        of them, and generate. ``content``: a string, a list of text parts (``{"type": "text", "text": ...}``),
-        or None. ``chat_template`` (vLLM's keyword): Jinja template text used instead of the tokenizer's.
-        ``chat_template_content_format`` (vLLM's): how the template gets ``content``: ``string`` (text
-        parts joined with newlines), ``openai`` (a list of text parts), or ``auto`` (detected from the
-        template that renders; ``entrypoints/chat_utils.py``). Raises ValueError naming the conversation
-        (its index, for a list of them) and message for an empty conversation, a bad role, or a non-text
-        part (e.g. ``image_url``); for a content format outside auto/string/openai; for a ``chat_template``
-        that does not parse; and for a template that fails to render (naming the content format)."""
-        if chat_template is not None:
-            check_chat_template(chat_template)
-        fmt = resolve_content_format(chat_template_content_format, self.engine.tokenizer, chat_template)
+        of them, and generate; each output's ``prompt`` is the rendered prompt text (vLLM).
+
+        ``content``: a string, a list of text parts (``{"type": "text", "text": ...}``), or None.
+        vLLM's keywords: ``chat_template``: Jinja template text used instead of the tokenizer's;
+        ``chat_template_content_format``: how the template gets ``content``: ``string`` (text parts joined
+        with newlines), ``openai`` (a list of text parts), or ``auto`` (detected from the template that
+        renders; ``entrypoints/chat_utils.py``); ``add_generation_prompt`` / ``continue_final_message``
+        (leave the last assistant message open; needs ``add_generation_prompt=False``);
+        ``chat_template_kwargs``: extra template variables, merged over those two. The options are checked
+        and the prompt rendered by ``entrypoints/chat_request.py``, as the server does.
+
+        Raises ValueError (before anything runs; naming the conversation by index for a list of them) for
+        an empty conversation, a bad role, a non-text part (e.g. ``image_url``), a content format outside
+        auto/string/openai, a ``chat_template`` that does not parse, a refused option (a
+        ``chat_template_kwargs`` key the call sets itself such as ``tokenize``, a non-bool flag, both flags
+        true), ``tools`` (tool calling is not implemented), and a template that fails to render."""
+        if tools:
+            raise ValueError("tools is not supported: tool calling is not implemented by longflash")
+        agp, kwargs = template_options(add_generation_prompt, continue_final_message, chat_template_kwargs,
+                                       chat_template)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty conversation (a list of {'role', 'content'} dicts) "
                              "or a non-empty list of them")
+        check_content_format(chat_template_content_format)
         batch = not isinstance(messages[0], dict)
         convs = messages if batch else [messages]
-        prompts = []
+        texts, prompts = [], []
         for k, conv in enumerate(convs):
             try:
-                msgs = normalize_messages(conv, fmt)
+                text, ids = render_chat(self.engine.tokenizer, conv, agp, kwargs, chat_template_content_format)
             except ValueError as e:
                 if batch:
-                    raise ValueError(f"conversation {k}: {e}") from None
+                    raise ValueError(f"conversation {k}: {e}") from e
                 raise
-            try:
-                ids = self.engine.apply_chat_template(msgs, add_generation_prompt, chat_template=chat_template)
-            except ValueError:  # no tokenizer / no template: the engine's message
-                raise
-            except Exception as e:  # jinja2's errors, a TypeError on content of the other format
-                raise template_error(e, fmt) from e
+            texts.append(text)
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> tuple[dict[str, RequestOutput], dict[str, Exception]]:
         """Step until no request is left: (final output by request id, error by request id of the

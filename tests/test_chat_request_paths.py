@@ -121,3 +121,16 @@ def test_offline_chat_render_error_names_the_conversation(llm):
     with pytest.raises(ValueError, match="conversation 1: cannot apply the chat template: .*too long"):
         llm.chat([[{"role": "user", "content": "a"}], OPEN_TURN], SamplingParams(max_tokens=1),
                  chat_template=raising)
+
+
+def test_content_format_hint_only_when_plausible(llm):
+    """The 'use string' hint was added to every render error under the openai format."""
+    parts = [{"role": "user", "content": "a"}]
+    sp = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match="too long") as info:
+        llm.chat(parts, sp, chat_template_content_format="openai",
+                 chat_template="{{ raise_exception('too long') }}")
+    assert "chat_template_content_format='string'" not in str(info.value)
+    with pytest.raises(ValueError, match="TypeError.*chat_template_content_format='string'"):
+        llm.chat(parts, sp, chat_template_content_format="openai",
+                 chat_template="{% for m in messages %}{{ m['role'] + m['content'] }}{% endfor %}")

@@ -150,13 +150,15 @@ def check_chat_template(chat_template) -> str:
 
 def template_error(e: Exception, content_format: str) -> ValueError:
     """The ValueError for a chat template that failed to render with message content in
-    ``content_format`` (``string`` or ``openai``): names the error and, for ``openai``, suggests
-    ``string`` (a template written for string content fails on a list of parts, e.g. a jinja2
-    TypeError concatenating it)."""
+    ``content_format`` (``string`` or ``openai``): names the error and, only when the format is plausibly
+    the cause (``openai`` content and a TypeError about str/list, e.g. jinja2 concatenating a list of
+    parts to a string), suggests ``string``."""
+    msg = str(e)
+    plausible = content_format == "openai" and isinstance(e, TypeError) and ("str" in msg or "list" in msg)
     hint = ("; chat_template_content_format 'openai' gives the template each message's content as a list of "
             "{'type': 'text', 'text': ...} parts: if the template expects a string, use "
             "chat_template_content_format='string' (--chat-template-content-format string)"
-            if content_format == "openai" else "")
+            if plausible else "")
     return ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}{hint}")
 
 

@@ -133,3 +133,17 @@ def test_prompt_tokens_are_counted_once_prefilled(llm):
     assert e.stats.prompt_tokens == before
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=2))
     assert e.stats.prompt_tokens == before + 4
+
+
+def test_prompt_dict_keys_and_sampling_params_type(llm):
+    """A fresh user's ``generate({"text": "hi"})`` ran an empty-prompt error, both keys silently used the
+    ids, and a dict for sampling_params was an AttributeError from inside the engine."""
+    with pytest.raises(ValueError, match="unknown prompt key.*'text'.*'prompt' .*'prompt_token_ids'"):
+        llm.generate({"text": "hi"})
+    with pytest.raises(ValueError, match="'prompt' \\(text\\) or 'prompt_token_ids', not both"):
+        llm.generate({"prompt": "hi", "prompt_token_ids": [1, 2]})
+    with pytest.raises(ValueError, match="'multi_modal_data' is not supported: the models take text only"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}})
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate("a", {"max_tokens": 2})
+    assert llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=1))[0].outputs[0].token_ids

@@ -81,6 +81,24 @@ def _as_set(x) -> set[int]:
     return {int(i) for i in x} if isinstance(x, (list, tuple)) else {int(x)}
 
 
+_MULTIMODAL_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+def _check_prompt_keys(prompt: dict) -> None:
+    """A prompt dict is vLLM's TextPrompt ``{"prompt": text}`` or TokensPrompt ``{"prompt_token_ids":
+    [...]}``. Raises ValueError naming an unknown key, a multimodal key (the models take text only), or
+    both ``prompt`` and ``prompt_token_ids`` (which one would be used is ambiguous)."""
+    extra = [k for k in prompt if k not in ("prompt", "prompt_token_ids")]
+    if extra:
+        media = [k for k in extra if k in _MULTIMODAL_PROMPT_KEYS]
+        if media:
+            raise ValueError(f"prompt key {media[0]!r} is not supported: the models take text only")
+        raise ValueError(f"unknown prompt key(s) {', '.join(map(repr, extra))}: a prompt dict takes 'prompt' (text) "
+                         "or 'prompt_token_ids' (a list of token ids), as vLLM's TextPrompt / TokensPrompt")
+    if "prompt" in prompt and "prompt_token_ids" in prompt:
+        raise ValueError("a prompt dict takes 'prompt' (text) or 'prompt_token_ids', not both")
+
+
 class LLMEngine:
     """Owns the model runner, scheduler, block manager and tokenizer.
 
@@ -494,6 +512,7 @@ class LLMEngine:
                              f"argument; `longflash serve --max-logprobs`)")
         text = None
         if isinstance(prompt, dict):
+            _check_prompt_keys(prompt)
             ids = list(prompt.get("prompt_token_ids") or [])
             text = prompt.get("prompt")
             if not ids and text is not None:

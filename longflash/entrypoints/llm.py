@@ -83,7 +83,9 @@ class LLM:
         Returns one RequestOutput per prompt, in input order; a prompt whose SamplingParams has
         ``n > 1`` runs as n requests (seeds seed, seed + 1, ... when seeded) merged into one output
         with ``outputs[i].index == i`` (``parallel_sampling.py``). Raises ValueError for an invalid
-        prompt or SamplingParams before anything runs.
+        prompt or SamplingParams before anything runs (a prompt dict takes vLLM's ``prompt`` or
+        ``prompt_token_ids``, not both; another key is named), TypeError when ``sampling_params`` is not
+        a SamplingParams (or a list of them).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -94,6 +96,10 @@ class LLM:
             sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(isinstance(sp, SamplingParams)
+                                                                      for sp in sampling_params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                            f"{type(sampling_params).__name__}; e.g. SamplingParams(max_tokens=2), not a dict")
         if len(sampling_params) != len(prompts):
             raise ValueError("one SamplingParams per prompt is required")
         groups: list[tuple[str, list[str]]] = []  # (request id, its engine requests' ids)

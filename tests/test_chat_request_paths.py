@@ -134,3 +134,15 @@ def test_content_format_hint_only_when_plausible(llm):
     with pytest.raises(ValueError, match="TypeError.*chat_template_content_format='string'"):
         llm.chat(parts, sp, chat_template_content_format="openai",
                  chat_template="{% for m in messages %}{{ m['role'] + m['content'] }}{% endfor %}")
+
+
+@pytest.mark.parametrize("value", ["", "  ", "EMPTY_FILE", "BLANK_FILE"])
+def test_serve_refuses_an_empty_chat_template(value, tmp_path, capsys):
+    from longflash.entrypoints.cli import main
+    from server_fixtures import free_port
+    if value.endswith("_FILE"):
+        f = tmp_path / "t.jinja"
+        f.write_text("" if value == "EMPTY_FILE" else "\n  \n")
+        value = str(f)
+    assert main(["serve", "/nonexistent-model", "--port", str(free_port()), "--chat-template", value]) == 2
+    assert "error: --chat-template: the chat template is empty" in capsys.readouterr().err

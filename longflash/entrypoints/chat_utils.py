@@ -118,8 +118,9 @@ def resolve_content_format(content_format: str, tokenizer, chat_template: str | 
 def load_chat_template(value: str) -> str:
     """The template text of vLLM's ``--chat-template`` value: the contents of the file ``value`` names
     when it can be opened, else ``value`` itself when it contains a Jinja character (``{``, ``}`` or a
-    newline); checked with :func:`check_chat_template`. Raises ValueError for a value that looks like a
-    file path (no Jinja character) but cannot be opened, and for a template that does not parse.
+    newline); checked with :func:`check_chat_template`. Raises ValueError for an empty value, a value that
+    looks like a file path (no Jinja character) but cannot be opened, and an empty, blank or unparsable
+    template.
     Rule from vLLM's ``load_chat_template`` (``vllm/entrypoints/chat_utils.py``)."""
     try:
         with open(value, encoding="utf-8") as f:
@@ -127,6 +128,8 @@ def load_chat_template(value: str) -> str:
     except UnicodeDecodeError as e:
         raise ValueError(f"the chat template file {os.path.abspath(value)!r} is not UTF-8 text ({e})") from None
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        if not value.strip():
+            raise ValueError("the chat template is empty: give a template file or the template text") from None
         if not any(c in value for c in "{}\n"):
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise ValueError(f"the chat template {value!r} looks like a file path, but it cannot be opened "
@@ -136,11 +139,14 @@ def load_chat_template(value: str) -> str:
 
 
 def check_chat_template(chat_template) -> str:
-    """``chat_template`` if it is a string that jinja2 parses (with transformers' extensions: loop
-    controls and ``{% generation %}``); raises ValueError naming the line and jinja2's message otherwise
-    (a syntax error found when the template is given, not at the first chat request)."""
+    """``chat_template`` if it is a non-blank string that jinja2 parses (with transformers' extensions:
+    loop controls and ``{% generation %}``); raises ValueError for an empty or blank template and, naming
+    the line and jinja2's message, for a syntax error (found when the template is given, not at the first
+    chat request)."""
     if not isinstance(chat_template, str):
         raise ValueError(f"chat_template must be a string (Jinja template text), got {type(chat_template).__name__}")
+    if not chat_template.strip():
+        raise ValueError("the chat template is empty: it would render every conversation as an empty prompt")
     try:
         _environment().parse(chat_template)
     except jinja2.TemplateSyntaxError as e:

@@ -74,3 +74,15 @@ def test_generate_output_ends_with_a_newline_before_the_log_line():
     last = r.stdout.rstrip("\n").splitlines()[-1]
     assert last.startswith("INFO ") and "finish_reason=length" in last, r.stdout[-2000:]
     assert "\ndef add(a, b):" in r.stdout
+
+
+def test_version_module_entry_and_subcommand_errors():
+    """Found by a fresh user: no --version, no ``python -m longflash``, and an unknown flag after a
+    subcommand was reported with the top-level usage (``longflash: error``)."""
+    import longflash
+    r = subprocess.run([sys.executable, "-m", "longflash", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"longflash {longflash.__version__}", (r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "longflash", "serve", "m", "--bogus-flag"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "longflash serve: error: unrecognized arguments: --bogus-flag" in r.stderr, r.stderr
+    assert "usage: longflash serve" in r.stderr

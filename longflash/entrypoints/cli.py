@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+import longflash
 from longflash.entrypoints.args import add_engine_args, engine_config_from_args
 
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False everywhere: a prefix of a flag is an error, not silently another flag (--chat-template
     # was read as --chat-template-content-format); vLLM's parser takes no prefixes either.
     p = argparse.ArgumentParser(prog="longflash", description="Long-context MLA inference engine", allow_abbrev=False)
+    p.add_argument("--version", action="version", version=f"%(prog)s {longflash.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt", allow_abbrev=False)
@@ -99,10 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest (sub)parser that ``args`` went through (``longflash bench serve``'s, ...)."""
+    while True:
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, action.dest, None) if action is not None else None
+        if name not in (action.choices if action is not None else {}):
+            return parser
+        parser = action.choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 for bad input).
+    An unknown flag is reported by the subcommand's parser (``longflash serve: error: ...``, its usage)."""
     _setup_logging()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # what parse_args does, but with the prog and usage of the subcommand that was given
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

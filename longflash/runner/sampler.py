@@ -72,10 +72,10 @@ def apply_allowed_token_ids(logits: torch.Tensor, allowed_token_ids: list[int]) 
     """In place: -inf in every column of logits [R, V] but ``allowed_token_ids`` (vLLM's
     ``allowed_token_ids``: only they can be sampled). Ids outside [0, V) are ignored (the engine refuses
     them at add_request)."""
-    keep = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+    masked = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
     ids = [t for t in allowed_token_ids if 0 <= t < logits.shape[1]]
-    keep[torch.tensor(ids, dtype=torch.long, device=logits.device)] = False
-    logits[:, keep] = float("-inf")
+    masked[torch.tensor(ids, dtype=torch.long, device=logits.device)] = False
+    logits.masked_fill_(masked, float("-inf"))  # a mask, not boolean indexing: no device -> host sync
 
 
 def apply_min_tokens(logits: torch.Tensor, num_output_tokens: int, min_tokens: int, stop_ids: set[int]) -> None:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import httpx
 
@@ -64,6 +65,22 @@ def make_tiny_model(path: str, vocab_size: int = 512, seed: int = 0) -> str:
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos}, f)
     return path
+
+
+@contextmanager
+def running_engine(model_dir: str, max_model_len: int = 128, num_gpu_blocks: int = 32):
+    """An in-process AsyncEngine over ``model_dir`` (started; shut down on exit), for ASGI-transport tests."""
+    from longflash.config import EngineConfig
+    from longflash.engine.llm_engine import LLMEngine
+    from longflash.entrypoints.server.async_engine import AsyncEngine
+    from longflash.entrypoints.server.metrics import ServerMetrics
+    ae = AsyncEngine(LLMEngine(EngineConfig(model=model_dir, max_model_len=max_model_len,
+                                            num_gpu_blocks=num_gpu_blocks)), ServerMetrics("m"))
+    ae.start()
+    try:
+        yield ae
+    finally:
+        ae.shutdown()
 
 
 def free_port() -> int:

@@ -10,12 +10,9 @@ import httpx
 import pytest
 
 from longflash import LLM, SamplingParams
-from longflash.config import EngineConfig
-from longflash.engine.llm_engine import LLMEngine
 from longflash.entrypoints.server.api_server import build_app
-from longflash.entrypoints.server.async_engine import AsyncEngine
 from longflash.entrypoints.server.metrics import ServerMetrics
-from server_fixtures import make_tiny_model
+from server_fixtures import make_tiny_model, running_engine
 
 OPEN_TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
 OTHER = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -28,11 +25,8 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    ae = AsyncEngine(LLMEngine(EngineConfig(model=model_dir, max_model_len=128, num_gpu_blocks=32)),
-                     ServerMetrics("m"))
-    ae.start()
-    yield ae
-    ae.shutdown()
+    with running_engine(model_dir) as ae:
+        yield ae
 
 
 @pytest.fixture(scope="module")

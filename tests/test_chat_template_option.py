@@ -11,14 +11,11 @@ import httpx
 import pytest
 
 from longflash import LLM, SamplingParams
-from longflash.config import EngineConfig
-from longflash.engine.llm_engine import LLMEngine
 from longflash.entrypoints.chat_utils import detect_content_format, load_chat_template
 from longflash.entrypoints.cli import main
 from longflash.entrypoints.server.api_server import build_app
-from longflash.entrypoints.server.async_engine import AsyncEngine
 from longflash.entrypoints.server.metrics import ServerMetrics
-from server_fixtures import free_port, make_tiny_model
+from server_fixtures import free_port, make_tiny_model, running_engine
 
 # Written for OpenAI-style content (loops over the parts): 'auto' must detect it when it is the template
 # that renders, although the tokenizer's own template (server_fixtures.CHAT_TEMPLATE) takes strings.
@@ -74,11 +71,8 @@ def _post(app, path: str, body: dict) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    ae = AsyncEngine(LLMEngine(EngineConfig(model=model_dir, max_model_len=128, num_gpu_blocks=32)),
-                     ServerMetrics("m"))
-    ae.start()
-    yield ae
-    ae.shutdown()
+    with running_engine(model_dir) as ae:
+        yield ae
 
 
 def _chat(app, **body) -> httpx.Response:

@@ -56,7 +56,8 @@ def test_offline_none_is_the_rest_of_the_context(llm):
 
 
 def test_offline_chat_near_the_end_of_the_context(llm):
-    tok_len = lambda k: len(llm.engine.apply_chat_template([{"role": "user", "content": "hello " * k}]))
+    from longflash.entrypoints.chat_request import render_chat
+    tok_len = lambda k: len(render_chat(llm.engine.tokenizer, [{"role": "user", "content": "hello " * k}], True, None)[1])
     k = next(k for k in range(1, 200) if tok_len(k) > MAX_MODEL_LEN - 16)
     room = MAX_MODEL_LEN - tok_len(k)
     assert 1 <= room < 16

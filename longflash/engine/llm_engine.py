@@ -439,21 +439,6 @@ class LLMEngine:
             raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at position {e.start})") from None
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
-        """Token ids of a conversation through ``chat_template`` (Jinja text), by default the tokenizer's.
-
-        Raises ValueError without a tokenizer or without a chat template; the template's own errors
-        (jinja2's, a TypeError on content it does not expect) pass through.
-        """
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer; this engine was built with skip_tokenizer_init=True")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat_template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                                  chat_template=chat_template)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def new_request_id(self) -> str:
         self._counter += 1
         return str(self._counter)

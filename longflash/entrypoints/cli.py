@@ -27,8 +27,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
-    if args.chat:
-        prompt = {"prompt_token_ids": engine.apply_chat_template([{"role": "user", "content": prompt}])}
+    if args.chat:  # the chat template call of LLM.chat and the server (entrypoints/chat_request.py)
+        from longflash.entrypoints.chat_request import render_chat
+        prompt = {"prompt_token_ids": render_chat(engine.tokenizer, [{"role": "user", "content": prompt}], True, None)[1]}
     t0 = time.perf_counter()
     rid = engine.add_request(None, prompt, params)
     printed = 0

@@ -443,15 +443,15 @@ class LLMEngine:
         self._counter += 1
         return str(self._counter)
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError naming the problem: empty prompt, token out of vocabulary, too long
-        (:meth:`max_output_tokens`)."""
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The request's output-length limit (:meth:`max_output_tokens`). Raises ValueError naming the
+        problem: empty prompt, token out of vocabulary, too long."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is required")
         bad = [t for t in prompt_token_ids if not (0 <= int(t) < self.vocab_size)]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        self.max_output_tokens(len(prompt_token_ids), params)
+        return self.max_output_tokens(len(prompt_token_ids), params)
 
     def max_output_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         """The output-length limit of a request: the one place that decides it (``LLM`` and the server).
@@ -511,21 +511,16 @@ class LLMEngine:
                                  f"got {type(prompt).__name__}")
             ids = [int(t) for t in prompt]
         params.validate()
-        bad_bias = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bad_bias:
-            raise ValueError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in (params.allowed_token_ids or []) if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"allowed_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+                                ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in token_ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         ids = self._truncated(ids, params.truncate_prompt_tokens)
         if params.n != 1:
             raise ValueError(f"n must be 1 for LLMEngine.add_request, got {params.n}; LLM.generate and the "
                              "server fan n > 1 out into n requests")
-        self.validate_prompt(ids, params)
-        limit = self.max_output_tokens(len(ids), params)
+        limit = self.validate_prompt(ids, params)
         if limit != params.max_tokens or params.max_tokens_is_default:  # a copy: the caller may reuse params
             params = replace(params, max_tokens=limit, stop=list(params.stop),
                              stop_token_ids=list(params.stop_token_ids))

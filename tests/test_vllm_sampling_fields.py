@@ -119,7 +119,9 @@ def test_server_fields(app, llm):
 @pytest.mark.parametrize("field, value", [
     ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
     ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}), ("reasoning_effort", "low"),
-    ("modalities", ["text", "audio"]),
+    ("modalities", ["text", "audio"]), ("use_beam_search", True), ("length_penalty", 0.5),
+    ("logits_processors", ["mod.fn"]), ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False),
+    ("documents", [{"text": "d"}]),
 ])
 def test_unimplemented_vllm_fields_are_refused_by_name(app, field, value):
     for path, body in (("/v1/completions", {"prompt": "hi"}),
@@ -128,6 +130,8 @@ def test_unimplemented_vllm_fields_are_refused_by_name(app, field, value):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == field and err["code"] == "unsupported_field" and field in err["message"], err
-    r = _post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                                            "modalities": ["text"]})
-    assert r.status_code == 200, r.text
+    for neutral in ({"modalities": ["text"]}, {"modalities": []}, {"use_beam_search": False},
+                    {"length_penalty": 1.0}, {"spaces_between_special_tokens": True}):  # asks for nothing unsupported
+        r = _post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                **neutral})
+        assert r.status_code == 200, (neutral, r.text)

@@ -3,7 +3,9 @@
 Unknown request fields are ignored (as vLLM does); a wrong type is a 400 naming the field. OpenAI fields
 and vLLM fields that would change the output but are not implemented (``response_format`` other than
 text, ``tools`` / ``functions``, ``suffix``, ``prompt_logprobs``, ``bad_words``, the ``guided_*`` fields and
-``structured_outputs``, ``reasoning_effort``, ``modalities`` other than ``["text"]``) are a 400 naming
+``structured_outputs``, ``reasoning_effort``, ``modalities`` other than ``["text"]``, ``use_beam_search``,
+``length_penalty``, ``logits_processors``, ``return_tokens_as_token_ids``, ``spaces_between_special_tokens``
+false, chat ``documents``) are a 400 naming
 the field (code ``unsupported_field``), never silently ignored.
 Responses are plain dicts built by the functions below (the OpenAI JSON shapes).
 """
@@ -80,7 +82,13 @@ class _SamplingRequest(_Strict):
                 "bad_words": bool(data.get("bad_words")),
                 **{name: data.get(name) is not None for name in _STRUCTURED_FIELDS},
                 "reasoning_effort": data.get("reasoning_effort") is not None,
-                "modalities": data.get("modalities") not in (None, ["text"]),
+                "modalities": data.get("modalities") not in (None, [], ["text"]),
+                "use_beam_search": bool(data.get("use_beam_search")),
+                "length_penalty": data.get("length_penalty") not in (None, 1, 1.0),
+                "logits_processors": bool(data.get("logits_processors")),
+                "return_tokens_as_token_ids": bool(data.get("return_tokens_as_token_ids")),
+                "spaces_between_special_tokens": data.get("spaces_between_special_tokens") is False,
+                "documents": bool(data.get("documents")),
             }
             for name, bad in unsupported.items():
                 if bad:

@@ -378,7 +378,7 @@ def report(res: dict, batches: list[int]) -> str:
              f"`{res['command']}`", "",
              "| engine | batch | decode tok/s | step ms | MB/step | GB/s | roofline fraction | vs HF best |",
              "|---|---|---|---|---|---|---|---|"]
-    for key in ("longflash", "longflash_eager"):
+    for key in ("longflash_cublas", "longflash", "longflash_eager"):
         for b in batches:
             r = res.get(key, {}).get(str(b))
             if not r:
@@ -401,12 +401,16 @@ def report(res: dict, batches: list[int]) -> str:
         g, e = res.get("longflash", {}).get(str(b)), res.get("longflash_eager", {}).get(str(b))
         if g and e and res["device"] != "cpu":
             lines.append(f"\nCUDA graphs vs eager at batch {b}: {g['decode_tok_s'] / e['decode_tok_s']:.2f}x")
+        c = res.get("longflash_cublas", {}).get(str(b))
+        if g and c:
+            lines.append(f"\nTriton GEMV vs cuBLAS for the few-row GEMMs at batch {b}: "
+                         f"{g['decode_tok_s'] / c['decode_tok_s']:.3f}x")
         if g and "greedy_vs_hf" in g:
             c = g["greedy_vs_hf"]
             lines.append(f"\nbatch {b}: longflash greedy tokens equal to HF's for the first "
                          f"{c['matching_prefix_per_row']} of {c['tokens_per_row']} per row")
     lines.append("\nGoals: roofline fraction >= 0.75 at batch 1; >= 5x HF generate.")
-    for key in ("longflash", "longflash_eager"):
+    for key in ("longflash_cublas", "longflash", "longflash_eager"):
         for b in batches:
             prof = res.get(key, {}).get(str(b), {}).get("profile")
             if prof and "error" not in prof:
@@ -430,6 +434,9 @@ def main() -> int:
                     help="wall-clock target: later HF experts implementations, the eager run and the kernel "
                          "profiles are skipped when they would not fit")
     ap.add_argument("--skip-eager", action="store_true", help="do not run longflash --enforce-eager")
+    ap.add_argument("--baseline-cublas", action="store_true",
+                    help="first run longflash with every few-row GEMM on cuBLAS (the Triton GEMV off, "
+                         "longflash.layers.gemv.enabled = False): the GEMV's gain in the same run")
     ap.add_argument("--op-shapes", action="store_true",
                     help="eager run: the ops with most device time per input shape at the smallest batch")
     args = ap.parse_args()
@@ -476,6 +483,16 @@ def main() -> int:
         hf_tokens = {b: res["hf"]["runs"][v["experts_implementation"]][str(b)]["tokens"]
                      for b, v in ((int(k), v) for k, v in res["hf"]["best"].items())}
         max_len = -(-(args.input_len + args.output_len + 8) // 64) * 64
+        if args.baseline_cublas:
+            from longflash.layers import gemv
+            gemv.enabled = False
+            try:
+                res["longflash_cublas"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len,
+                                                     False, hf_tokens, profile_deadline=0.5 * args.budget_s)
+            finally:
+                gemv.enabled = True
+            dump(res, args.out)
+            _free(dev)
         res["longflash"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False, hf_tokens,
                                       profile_deadline=0.7 * args.budget_s)
         dump(res, args.out)

@@ -117,7 +117,23 @@ def _check_all(res: dict, n_expected: int) -> None:
 
 def _interpreter_check() -> dict:
     from longflash.layers.rotary_triton import rotate_qk_triton
-    return _run(_cases(), rotate_qk_triton)
+    return {"cases": _run(_cases(), rotate_qk_triton), "q_out": _q_out_check(rotate_qk_triton)}
+
+
+def _q_out_check(fn) -> dict:
+    """``fn(rot, q, k, pos, q_out=...)`` writing into the rope slice of a wider buffer (MLA's absorbed query)
+    returns that slice, holds exactly what it returns without ``q_out``, leaves the rest of the buffer and
+    k's result alone. Returns {case: ok}."""
+    out = {}
+    for key, rot, q, k, pos in _cases():
+        if q is None:
+            continue
+        buf = torch.full((*q.shape[:-1], 8 + q.shape[-1]), 7.0, dtype=q.dtype)
+        qo, ko = fn(rot, q, k, pos, q_out=buf[..., 8:])
+        ref_q, ref_k = fn(rot, q, k, pos)
+        out[key] = bool(torch.equal(buf[..., 8:], ref_q) and qo.data_ptr() == buf[..., 8:].data_ptr()
+                        and (buf[..., :8] == 7).all() and (k is None or torch.equal(ko, ref_k)))
+    return out
 
 
 def test_rotate_qk_triton_equals_reference_interpreter():
@@ -125,7 +141,22 @@ def test_rotate_qk_triton_equals_reference_interpreter():
     res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    _check_all(json.loads(res.stdout.strip().splitlines()[-1]), len(list(_cases())))
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    _check_all(got["cases"], len(list(_cases())))
+    assert got["q_out"] and all(got["q_out"].values()), got["q_out"]
+
+
+def test_rotate_qk_q_out_reference_and_errors():
+    """The reference path with ``q_out`` (CPU) writes into the slice exactly what it returns without; a
+    q_out of the wrong shape/dtype, a strided last dim, or q_out without q is a ValueError."""
+    ok = _q_out_check(lambda rot, q, k, pos, q_out=None: rot.rotate_qk(q, k, pos, q_out=q_out))
+    assert ok and all(ok.values()), ok
+    rot = RotaryEmbedding(16, DEFAULT, 4096)
+    q, k, pos = torch.randn(3, 2, 16), torch.randn(3, 16), torch.arange(3)
+    for q_out, qq in ((torch.empty(3, 2, 8), q), (torch.empty(3, 2, 16, dtype=torch.float16), q),
+                      (torch.empty(3, 2, 32)[..., ::2], q), (torch.empty(3, 2, 16), None)):
+        with pytest.raises(ValueError, match="q_out"):
+            rot.rotate_qk(qq, k, pos, q_out=q_out)
 
 
 def test_rotate_qk_cpu_is_the_previous_math():

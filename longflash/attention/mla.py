@@ -13,7 +13,6 @@ Options for Kimi-K3: ``use_nope`` (the rope part exists but is not rotated) and 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from longflash.attention import ops
@@ -21,6 +20,7 @@ from longflash.attention.dispatch import cache_ops
 from longflash.attention.chunked_context import DEFAULT_CONTEXT_WORKSPACE_ROWS, plan_context_chunks
 from longflash.distributed import dcp as dcp_ops
 from longflash.distributed.comm import GroupCoordinator, get_parallel_state
+from longflash.layers import gemv
 from longflash.layers.norm import RMSNorm
 from longflash.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_evenly
 from longflash.layers.rotary import RotaryEmbedding
@@ -122,7 +122,7 @@ class MLAAttention(nn.Module):
             kv_a = self.kv_a_proj_with_mqa(x)
         else:
             if self.qkv_a_weight is not None:  # one GEMM for q_a and kv_a (fuse_qkv_a)
-                q_a, kv_a = F.linear(x, self.qkv_a_weight).split([self.q_lora_rank, self.qkv_a_weight.shape[0] -
+                q_a, kv_a = gemv.linear(x, self.qkv_a_weight).split([self.q_lora_rank, self.qkv_a_weight.shape[0] -
                                                                   self.q_lora_rank], dim=-1)
             else:
                 q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
@@ -131,8 +131,15 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
+        # A uniform decode step attends with the absorbed query [T, H, kv_lora_rank + rope]: the rotated
+        # q_pe goes straight into its rope slice (and q_nope · W_UK into the rest, _decode_uniform).
+        q_abs = x.new_empty(T, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim) if ctx.uniform_decode \
+            else None
+        q_pe_out = q_abs[..., self.kv_lora_rank:] if q_abs is not None else None
         if self.rotary is not None:  # one launch on CUDA (cos/sin computed in-kernel), the reference elsewhere
-            q_pe, k_pe = self.rotary.rotate_qk(q_pe, k_pe, ctx.positions)
+            q_pe, k_pe = self.rotary.rotate_qk(q_pe, k_pe, ctx.positions, q_out=q_pe_out)
+        elif q_pe_out is not None:
+            q_pe_out.copy_(q_pe)
         if self.calculate_kv_scales and self._k_scale() is not None:
             amax = float(torch.maximum(kv_c.abs().max(), k_pe.abs().max())) if T else 0.0
             self.k_scale = amax / 200.0 if amax > 0 else 1.0
@@ -145,7 +152,7 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         qsl = ctx.query_start_loc_cpu
         if ctx.uniform_decode:  # one batched sync-free call (CUDA graphs)
-            out = self._decode_uniform(q_nope, q_pe, ctx, w_uk, w_uv)
+            out = self._decode_uniform(q_nope, q_abs, ctx, w_uk, w_uv)
             decode_reqs = []
         else:
             decode_reqs = [b for b in range(ctx.num_reqs) if ctx.is_decode[b] and qsl[b + 1] > qsl[b]]
@@ -201,23 +208,24 @@ class MLAAttention(nn.Module):
         return op(q_abs, self.kv_cache, ctx.block_table[b:b + 1], [0, q_abs.shape[0]], [ctx.seq_lens_cpu[b]],
                   self.scale, self.kv_lora_rank, self._k_scale())
 
-    def _decode_uniform(self, q_nope, q_pe, ctx, w_uk, w_uv) -> torch.Tensor:
-        """Absorbed attention of a uniform decode/verify step ([T, H, v_head_dim]): every request has
+    def _decode_uniform(self, q_nope, q_abs, ctx, w_uk, w_uv) -> torch.Tensor:
+        """Absorbed attention of a uniform decode/verify step ([T, H, v_head_dim]); ``q_abs`` [T, H,
+        kv_lora_rank + rope] holds the rotated q_pe in its rope slice and receives q_nope · W_UK in the
+        rest (per-head products, ``gemv.bmm``: one Triton launch for a few tokens). Every request has
         ``ctx.max_query_len`` queries; the decode op reads ``query_start_loc``/``seq_lens`` as device
         tensors with the host bounds ``max_query_len``/``max_seq_len`` (no device -> host sync).
         Under DCP, as :meth:`_decode` (query heads all-gathered over the DCP group, attention over this
         rank's shard, LSE combine reduce-scattered back to this rank's heads), with the shard's lengths
         computed on the device (``dcp.dcp_rank_local_lens`` of the sequence lengths, and of each query's
         position + 1 for what it sees) and the host bound ``dcp_padded_local_len(max_seq_len)``."""
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
-        q_abs = torch.cat([q_lat, q_pe], dim=-1)
+        gemv.bmm(q_nope.transpose(0, 1), w_uk.transpose(1, 2), out=q_abs[..., :self.kv_lora_rank].transpose(0, 1))
         ps = _parallel_of(ctx)
         op = decode_op(self.kv_cache)
         if ps.dcp_size == 1:
             o_lat, _ = op(q_abs, self.kv_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens, self.scale,
                           self.kv_lora_rank, self._k_scale(), max_query_len=ctx.max_query_len,
                           max_seq_len=ctx.max_seq_len)
-            return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+            return self._up_project_values(o_lat, w_uv)
         R, r, I = ps.dcp_size, ps.dcp_rank, ps.cp_kv_cache_interleave_size
         q_all = ps.dcp.all_gather(q_abs, dim=1)
         local = dcp_ops.dcp_rank_local_lens(ctx.seq_lens, R, r, I)
@@ -226,7 +234,13 @@ class MLAAttention(nn.Module):
                     self._k_scale(), max_query_len=ctx.max_query_len,
                     max_seq_len=dcp_ops.dcp_padded_local_len(ctx.max_seq_len, R, I), visible_lens=visible)
         o_lat, _ = dcp_ops.dcp_decode_combine_group(o, lse, ps.dcp, scatter_heads=True)
-        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+        return self._up_project_values(o_lat, w_uv)
+
+    def _up_project_values(self, o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """o_lat [T, H, kv_lora_rank] -> [T, H, v_head_dim] = o_lat · W_UV^T per head (``gemv.bmm``)."""
+        out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_head_dim)
+        gemv.bmm(o_lat.transpose(0, 1), w_uv, out=out.transpose(0, 1))
+        return out
 
     def _prefill(self, q_nope, q_pe, kv_c, k_pe, reqs: list[int], ctx, out: torch.Tensor, kernels) -> None:
         """Chunked-context prefill of the batch's prefill requests, written into ``out`` rows.

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from longflash.distributed.comm import GroupCoordinator
+from longflash.layers import gemv
 from longflash.layers.activation import silu_and_mul
 from longflash.layers.gemm_layout import kn_layout_faster
 from longflash.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -40,20 +40,22 @@ class GatedMLP(nn.Module):
         every launch counts in a decode step): the two weights are copied into one [2·I, H] tensor and
         the parameters become views of its halves (no second copy is kept). The act-and-mul then reads
         the two halves of the GEMM's output in place. On a GPU the [2·I, H] weight is the transposed
-        view of an [H, 2·I] tensor when that runs the one-token GEMM faster
-        (:func:`longflash.layers.gemm_layout.kn_layout_faster`). Idempotent."""
+        view of an [H, 2·I] tensor when that runs cuBLAS's one-token GEMM faster
+        (:func:`longflash.layers.gemm_layout.kn_layout_faster`; only asked with the Triton GEMV off, which
+        takes one-token products itself). Idempotent."""
         if self.gate_up_weight is not None:
             return
         g, u = self.gate_proj.weight, self.up_proj.weight
         w = torch.cat([g.detach(), u.detach()])
-        if kn_layout_faster(w.shape[0], w.shape[1], w.dtype, str(w.device)):
+        # With the few-row Triton GEMV on (``gemv.enabled``), one token never reaches cuBLAS: [N, K] is its layout.
+        if not gemv.enabled and kn_layout_faster(w.shape[0], w.shape[1], w.dtype, str(w.device)):
             w = w.t().contiguous().t()  # stored [H, 2·I]: a faster one-token GEMM for this shape (gemm_layout)
         g.data, u.data = w[:g.shape[0]], w[g.shape[0]:]
         self.gate_up_weight = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gu = F.linear(x, self.gate_up_weight)
+            gu = gemv.linear(x, self.gate_up_weight)
             i = gu.shape[-1] // 2
             return self.down_proj(self.act_and_mul(gu[..., :i], gu[..., i:]))
         return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))

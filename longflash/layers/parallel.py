@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longflash.distributed.comm import GroupCoordinator
+from longflash.layers import gemv
 
 
 def tp_size_of(tp: GroupCoordinator | None) -> int:
@@ -56,6 +57,11 @@ class ColumnParallelLinear(nn.Linear):
             if bias:
                 self.tp_shards["bias"] = (0, start, length, out_features)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return F.linear(x, self.weight, self.bias)
+        return gemv.linear(x, self.weight)  # a few tokens on a GPU: the Triton GEMV
+
 
 class RowParallelLinear(nn.Linear):
     """``y = x W^T`` with the *input* features split: this rank holds columns ``[start, start + length)``
@@ -74,7 +80,7 @@ class RowParallelLinear(nn.Linear):
         self.tp_shards = {"weight": (1, start, length, in_features)} if length != in_features else {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = gemv.linear(x, self.weight)  # a few tokens on a GPU: the Triton GEMV
         if self.reduce and tp_size_of(self.tp) > 1:
             y = self.tp.all_reduce(y.contiguous())
         return y

@@ -139,12 +139,18 @@ class RotaryEmbedding(nn.Module):
             x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def check_qk(self, q: torch.Tensor | None, k: torch.Tensor | None, positions: torch.Tensor) -> torch.dtype:
+    def check_qk(self, q: torch.Tensor | None, k: torch.Tensor | None, positions: torch.Tensor,
+                 q_out: torch.Tensor | None = None) -> torch.dtype:
         """Validate :meth:`rotate_qk`'s arguments; returns the dtype of the rotated outputs.
 
         Raises ValueError when both q and k are None, when a tensor is not [T, rotary_dim] or
         [T, heads, rotary_dim] with T = len(positions), when q and k differ in dtype or device, when a
-        dtype is not floating point, or when positions is not a 1-D integer tensor on their device."""
+        dtype is not floating point, when positions is not a 1-D integer tensor on their device, or when
+        ``q_out`` is given without q or is not q's shape, dtype and device with a unit last-dim stride."""
+        if q_out is not None and (q is None or q_out.shape != q.shape or q_out.dtype != q.dtype or
+                                  q_out.device != q.device or q_out.stride(-1) != 1):
+            raise ValueError("q_out must have q's shape, dtype and device and a unit last-dim stride, got "
+                             f"{None if q_out is None else (tuple(q_out.shape), q_out.dtype, q_out.stride())}")
         xs = [(n, x) for n, x in (("q", q), ("k", k)) if x is not None]
         if not xs:
             raise ValueError("rotate_qk needs q or k (both are None)")
@@ -164,17 +170,19 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
         return xs[0][1].dtype
 
-    def rotate_qk_ref(self, q: torch.Tensor | None, k: torch.Tensor | None,
-                      positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def rotate_qk_ref(self, q: torch.Tensor | None, k: torch.Tensor | None, positions: torch.Tensor,
+                      q_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Reference of :meth:`rotate_qk`: ``cos_sin(positions, dtype)`` then :meth:`rotate` of q and k
         (the math of the engine before the fused kernel, every step in q's dtype)."""
-        dtype = self.check_qk(q, k, positions)
+        dtype = self.check_qk(q, k, positions, q_out)
         cos, sin = self.cos_sin(positions, dtype)
-        return (self.rotate(q, cos, sin) if q is not None else None,
-                self.rotate(k, cos, sin) if k is not None else None)
+        q_rot = self.rotate(q, cos, sin) if q is not None else None
+        if q_out is not None:
+            q_rot = q_out.copy_(q_rot)
+        return q_rot, self.rotate(k, cos, sin) if k is not None else None
 
-    def rotate_qk(self, q: torch.Tensor | None, k: torch.Tensor | None,
-                  positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def rotate_qk(self, q: torch.Tensor | None, k: torch.Tensor | None, positions: torch.Tensor,
+                  q_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Rotate queries and keys at ``positions`` in one call.
 
         Args:
@@ -182,9 +190,12 @@ class RotaryEmbedding(nn.Module):
                 q_pe slice is fine), or None (e.g. the DFlash drafter's context keys alone).
             k: the same for keys ([T, rotary_dim] MLA k_pe, [T, kv_heads, rotary_dim] GQA), or None.
             positions: [T] integer positions on the same device.
+            q_out: optional tensor of q's shape and dtype with a unit last-dim stride (e.g. the rope
+                slice of MLA's absorbed query buffer) that receives q_rot.
         Returns:
-            (q_rot, k_rot) of q's and k's shapes and dtype (None where the input is None), laid out as
-            :meth:`rotate` lays them out (interleaved input -> de-interleaved output).
+            (q_rot, k_rot) of q's and k's shapes and dtype (None where the input is None; q_rot is
+            ``q_out`` when given), laid out as :meth:`rotate` lays them out (interleaved input ->
+            de-interleaved output).
         Raises:
             ValueError for shapes/dtypes/devices that do not fit (:meth:`check_qk`).
         On CUDA (fp32/fp16/bf16) without autograd: one Triton launch (``rotary_triton.rotate_qk_triton``: cos/sin computed
@@ -194,5 +205,5 @@ class RotaryEmbedding(nn.Module):
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k))
         if x is not None and x.is_cuda and x.dtype in _TRITON_DTYPES and not needs_grad:
             from longflash.layers.rotary_triton import rotate_qk_triton
-            return rotate_qk_triton(self, q, k, positions)
-        return self.rotate_qk_ref(q, k, positions)
+            return rotate_qk_triton(self, q, k, positions, q_out)
+        return self.rotate_qk_ref(q, k, positions, q_out)

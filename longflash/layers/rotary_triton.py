@@ -80,8 +80,8 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
-def rotate_qk_triton(rotary, q: torch.Tensor | None, k: torch.Tensor | None,
-                     positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def rotate_qk_triton(rotary, q: torch.Tensor | None, k: torch.Tensor | None, positions: torch.Tensor,
+                     q_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Triton version of :meth:`RotaryEmbedding.rotate_qk_ref` (same arguments, same result within one
     rounding of the output; see the module docstring). ``rotary`` is the ``RotaryEmbedding``.
 
@@ -90,21 +90,24 @@ def rotate_qk_triton(rotary, q: torch.Tensor | None, k: torch.Tensor | None,
             q_pe slice of MLA's q), or None.
         k: the same for keys (MLA: [T, rotary_dim] k_pe; GQA: [T, kv_heads, rotary_dim]), or None.
         positions: [T] integer positions on the tensors' device.
+        q_out: optional [q's shape] tensor of q's dtype, unit last-dim stride, receiving q_rot.
     Returns:
-        (q_rot, k_rot): new contiguous tensors of q's and k's shapes and dtype (None for a None input).
+        (q_rot, k_rot): new contiguous tensors of q's and k's shapes and dtype (None for a None input;
+        q_rot is ``q_out`` when given).
     Raises:
         ValueError (from ``RotaryEmbedding.check_qk``) for shapes, dtypes or devices that do not fit.
     """
-    dtype = rotary.check_qk(q, k, positions)
+    dtype = rotary.check_qk(q, k, positions, q_out)
     x_any = q if q is not None else k
     T = positions.shape[0]
-    q_out = torch.empty(q.shape, dtype=dtype, device=q.device) if q is not None else None
+    if q_out is None and q is not None:
+        q_out = torch.empty(q.shape, dtype=dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=dtype, device=k.device) if k is not None else None
     if T == 0:
         return q_out, k_out
     q3 = _as_3d(q) if q is not None else None
     k3 = _as_3d(k) if k is not None else None
-    qo3 = q_out.view(q3.shape) if q is not None else None
+    qo3 = _as_3d(q_out) if q is not None else None
     ko3 = k_out.view(k3.shape) if k is not None else None
     Hq = q3.shape[1] if q is not None else 0
     Hk = k3.shape[1] if k is not None else 0

@@ -1,0 +1,70 @@
+"""Few-row products ``y = x · W^T``: the reference, and the dispatch the layers call (``linear``).
+
+At batch 1 (and small verify batches) a decode step's dense projections are matrix-vector products;
+on a GPU they go to :mod:`longflash.layers.gemv_triton`, which spreads the weight over every SM (cuBLAS
+leaves most of them idle at these shapes). Everything else is ``F.linear`` / ``torch.matmul``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows of x up to which a CUDA product takes the Triton kernel (``gemv_triton.MAX_ROWS`` at most);
+# ``enabled = False`` sends every product to cuBLAS (the benchmark's baseline).
+GEMV_MAX_ROWS = 4
+enabled = True
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[b] = x[b] · w[b]^T`` in fp32, rounded once to x's dtype (the reference of ``gemv_triton``).
+
+    Args:
+        x: [M, K] or [B, M, K], any float dtype and strides.
+        w: [N, K] or [B, N, K], x's dtype.
+        out: optional [M, N] / [B, M, N] of x's dtype receiving y.
+    Returns:
+        y [M, N] / [B, M, N] in x's dtype (``out`` when given).
+    Raises:
+        ValueError on mismatched shapes or dtypes.
+    """
+    if x.dim() not in (2, 3) or w.dim() != x.dim() or w.shape[-1] != x.shape[-1] or \
+            (x.dim() == 3 and w.shape[0] != x.shape[0]):
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} do not match (both 2-D or both 3-D, same K "
+                         "and batch)")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w's dtype {w.dtype} differs from x's {x.dtype}")
+    y = torch.matmul(x.float(), w.float().transpose(-1, -2)).to(x.dtype)
+    if out is None:
+        return y
+    if out.shape != y.shape or out.dtype != x.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be {tuple(y.shape)} {x.dtype}")
+    return out.copy_(y)
+
+
+def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x · w^T`` goes to the Triton kernel: CUDA, ≤ ``GEMV_MAX_ROWS`` rows, a 16-bit dtype shared
+    by both, and no autograd (the kernel has no backward)."""
+    return (enabled and x.is_cuda and 0 < x.shape[-2] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` (no bias) for x [..., K], w [N, K]: few-row CUDA products through the Triton GEMV,
+    the rest through cuBLAS. Returns [..., N] in x's dtype."""
+    if x.dim() >= 2 and use_gemv(x.reshape(-1, x.shape[-1]), w):
+        from longflash.layers.gemv_triton import gemv_triton
+        x2 = x.reshape(-1, x.shape[-1])
+        return gemv_triton(x2, w).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
+
+
+def bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head products ``y[b] = x[b] · w[b]^T`` for x [B, M, K], w [B, N, K] (any strides): few-row
+    CUDA products through the Triton GEMV (written straight into ``out``, a [B, M, N] view, when
+    given), the rest through ``torch.matmul``. Returns [B, M, N] in x's dtype."""
+    if use_gemv(x, w):
+        from longflash.layers.gemv_triton import gemv_triton
+        return gemv_triton(x, w, out)
+    y = torch.matmul(x, w.transpose(-1, -2))
+    return y if out is None else out.copy_(y)

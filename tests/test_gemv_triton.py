@@ -134,11 +134,16 @@ def test_reference_and_dispatch_on_the_cpu():
 
 
 def test_use_gemv_rules():
-    """Only CUDA, 1..GEMV_MAX_ROWS rows, a 16-bit dtype shared by x and w, no autograd."""
+    """Only CUDA, 1..GEMV_MAX_ROWS rows, a 16-bit dtype shared by x and w, w contiguous along K, no
+    autograd."""
     class FakeCuda:  # the rules read attributes only; a real CUDA tensor is not needed to check them
-        def __init__(self, rows, dtype=torch.bfloat16, requires_grad=False, cuda=True):
+        def __init__(self, rows, dtype=torch.bfloat16, requires_grad=False, cuda=True, k_stride=1):
             self.is_cuda, self.dtype, self.requires_grad = cuda, dtype, requires_grad
-            self.shape = (rows, 64)
+            self.shape, self.k_stride = (rows, 64), k_stride
+
+        def stride(self, dim):
+            assert dim == -1
+            return self.k_stride
     w = FakeCuda(32)
     assert gemv.use_gemv(FakeCuda(1), w) and gemv.use_gemv(FakeCuda(gemv.GEMV_MAX_ROWS), w)
     assert not gemv.use_gemv(FakeCuda(gemv.GEMV_MAX_ROWS + 1), w)
@@ -146,6 +151,7 @@ def test_use_gemv_rules():
     assert not gemv.use_gemv(FakeCuda(1, torch.float32), FakeCuda(32, torch.float32))
     assert not gemv.use_gemv(FakeCuda(1), FakeCuda(32, torch.float16))
     assert not gemv.use_gemv(FakeCuda(1, cuda=False), w)
+    assert not gemv.use_gemv(FakeCuda(1), FakeCuda(32, k_stride=32))  # a [K, N]-stored weight
     with torch.enable_grad():
         assert not gemv.use_gemv(FakeCuda(1, requires_grad=True), w)
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longflash import LLM, SamplingParams
-from longflash.runner.cuda_graph import capture_sizes, uniform_query_len
+from longflash.runner.cuda_graph import capture_sizes, prepare_uniform_model, uniform_query_len
 from longflash.runner.step_inputs import StepInputs
 
 KW = dict(max_num_seqs=8, max_num_batched_tokens=96, block_size=4)
@@ -49,10 +49,12 @@ def _decoding_step(engine, steps: int = 4):
     return sched, reqs, drafts
 
 
-@pytest.mark.parametrize("spec", ["off", None])
-def test_padded_static_step_equals_general_step(spec):
+@pytest.mark.parametrize("spec,prepared", [("off", False), (None, False), ("off", True)])
+def test_padded_static_step_equals_general_step(spec, prepared):
     """Default model, 3 requests padded to the bucket of 4 with the capacity bound: a plain decode
-    step (spec off) and a DFlash verify step of 8 tokens per request (spec on), logits and fc outputs."""
+    step (spec off) and a DFlash verify step of 8 tokens per request (spec on), logits and fc outputs.
+    ``prepared``: with the GPU's decode-time fusions applied first (``prepare_uniform_model``: fused
+    gate_up and q_a/kv_a GEMMs, MLA's transposed W_UK copy for the query absorption)."""
     engine = LLM(speculative_config=spec, **KW).engine
     sched, reqs, drafts = _decoding_step(engine)
     q = uniform_query_len(sched.scheduled)
@@ -62,6 +64,12 @@ def test_padded_static_step_equals_general_step(spec):
     short_drafts = engine.proposer.propose(short) if reqs else []
     general = engine.runner.execute(sched, proposer=engine.proposer)
     g_logits, g_aux = general.logits.clone(), None if general.aux is None else general.aux.clone()
+    if prepared:
+        from longflash.attention.mla import MLAAttention
+        prepare_uniform_model(engine.model)
+        mla = [m for m in engine.model.modules() if isinstance(m, MLAAttention)]
+        assert mla and all(m.w_uk_t is not None and m.w_uk_t.is_contiguous() and
+                           torch.equal(m.w_uk_t, m._w_uk_uv()[0].transpose(1, 2)) for m in mla)
     engine.enable_uniform_decode(cuda_graphs=False)
     engine.runner.decode_runner.pad_like_graph = True
     if engine.proposer is not None:

@@ -89,6 +89,7 @@ class MLAAttention(nn.Module):
         self.calculate_kv_scales: bool = False
         self.context_workspace_rows: int = DEFAULT_CONTEXT_WORKSPACE_ROWS
         self.qkv_a_weight: torch.Tensor | None = None  # [q_lora_rank + kv_lora_rank + rope, hidden] once fused
+        self.w_uk_t: torch.Tensor | None = None  # [H, kv_lora_rank, qk_nope] contiguous, once made (make_w_uk_t)
 
     def fuse_qkv_a(self) -> None:
         """Compute ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both replicated, both reading the layer's
@@ -105,6 +106,15 @@ class MLAAttention(nn.Module):
         w = torch.cat([q.detach(), kv.detach()])
         q.data, kv.data = w[:q.shape[0]], w[q.shape[0]:]
         self.qkv_a_weight = w
+
+    def make_w_uk_t(self) -> None:
+        """Keep W_UK transposed, [H, kv_lora_rank, qk_nope_head_dim] contiguous (a copy: H · R · nope
+        elements, 2 MB per layer for 16 heads of DeepSeek-V3's dims in bf16), for the query absorption of
+        uniform decode steps: the few-row GEMV reads its weight along the contraction dim, which in
+        ``kv_b_proj``'s layout is strided (vLLM keeps the same ``W_UK_T``). Called with the other
+        decode-time fusions (``cuda_graph.prepare_uniform_model``); idempotent."""
+        if self.w_uk_t is None:
+            self.w_uk_t = self._w_uk_uv()[0].detach().transpose(1, 2).contiguous()
 
     # W_UK: [H, qk_nope, R], W_UV: [H, v, R] views of kv_b_proj.weight [H*(nope+v), R].
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +228,8 @@ class MLAAttention(nn.Module):
         rank's shard, LSE combine reduce-scattered back to this rank's heads), with the shard's lengths
         computed on the device (``dcp.dcp_rank_local_lens`` of the sequence lengths, and of each query's
         position + 1 for what it sees) and the host bound ``dcp_padded_local_len(max_seq_len)``."""
-        gemv.bmm(q_nope.transpose(0, 1), w_uk.transpose(1, 2), out=q_abs[..., :self.kv_lora_rank].transpose(0, 1))
+        w_uk_t = self.w_uk_t if self.w_uk_t is not None else w_uk.transpose(1, 2)  # [H, R, nope]
+        gemv.bmm(q_nope.transpose(0, 1), w_uk_t, out=q_abs[..., :self.kv_lora_rank].transpose(0, 1))
         ps = _parallel_of(ctx)
         op = decode_op(self.kv_cache)
         if ps.dcp_size == 1:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows of x up to which a CUDA product takes the Triton kernel (``gemv_triton.MAX_ROWS`` at most);
-# ``enabled = False`` sends every product to cuBLAS (the benchmark's baseline).
-GEMV_MAX_ROWS = 4
+# Rows of x up to which a CUDA product takes the Triton kernel (``gemv_triton.MAX_ROWS`` at most): at 1
+# and 2 rows it beat cuBLAS at every shape of the benchmark model, at 4 rows it did not
+# (``benchmarks/results/gemv.h200.md``). ``enabled = False`` sends every product to cuBLAS (the
+# benchmark's baseline).
+GEMV_MAX_ROWS = 2
 enabled = True
 
 
@@ -44,9 +46,11 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``x · w^T`` goes to the Triton kernel: CUDA, ≤ ``GEMV_MAX_ROWS`` rows, a 16-bit dtype shared
-    by both, and no autograd (the kernel has no backward)."""
+    by both, w contiguous along K (its programs split N; a [K, N]-stored weight would leave the GPU
+    idle), and no autograd (the kernel has no backward)."""
     return (enabled and x.is_cuda and 0 < x.shape[-2] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+            and w.dtype == x.dtype and w.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

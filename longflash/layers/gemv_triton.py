@@ -78,18 +78,22 @@ def block_m_of(m: int) -> int:
     return triton.next_power_of_2(max(m, 1))
 
 
-def default_config(m: int, n: int, k: int, w_k_contiguous: bool) -> GemvConfig:
-    """The tile used when none is given: fp32 partials of ≤ 64 registers per thread, enough programs to
-    cover the GPU, unit-stride loads along the weight's contiguous dim (chosen from the H200 sweep of
-    ``benchmarks/gemv.py``)."""
+def default_config(m: int, n: int, k: int) -> GemvConfig:
+    """The tile used when none is given, from the H200 sweep of ``benchmarks/gemv.py``
+    (``results/gemv.h200.md``): 2 warps, 2048 weight elements per program step at one or two rows
+    (2 × 1024 at K = 2048: the fastest tile at every K-contiguous shape of the benchmark model) and
+    fewer with more rows (fp32 partials of at most 64 registers per thread); ``block_k`` divides K
+    when a power of two ≥ 64 does (K = 1536: 512), so no step is mostly masked. Made for weights
+    contiguous along K; a [K, N]-stored weight runs correctly but slowly (programs = N / block_n)."""
     bm = block_m_of(m)
-    if w_k_contiguous:
-        block_n, num_warps = (4 if n <= 4096 else 8), 4
-        block_k = max(64, min(512, 8192 // (bm * block_n)))
-    else:  # [K, N] storage: the tile runs along N
-        block_n, num_warps = 64, 4
-        block_k = max(8, min(64, 4096 // (bm * block_n)))
-    return GemvConfig(block_n, min(block_k, triton.next_power_of_2(k)), num_warps)
+    elems = 2048 if bm <= 2 else 4096 // bm
+    bk = 1024
+    while bk > 64 and k % bk:
+        bk //= 2
+    if k % bk:
+        bk = 1024
+    bk = min(bk, triton.next_power_of_2(k), elems // 2)
+    return GemvConfig(elems // bk, bk, 2)
 
 
 def _as3(t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +136,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     if K == 0:
         return out.zero_()
     y3 = _as3(out)
-    cfg = config or default_config(M, N, K, w3.stride(2) == 1)
+    cfg = config or default_config(M, N, K)
     grid = (triton.cdiv(N, cfg.block_n), B)
     _gemv_kernel[grid](x3, w3, y3, M, N, K, *x3.stride(), *w3.stride(), *y3.stride(),
                        BLOCK_M=block_m_of(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

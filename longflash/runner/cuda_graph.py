@@ -38,7 +38,8 @@ def prepare_uniform_model(model) -> None:
     engine does the same): bf16 routed experts stacked for the grouped, capture-safe MoE kernel
     (``MoE.stack_experts``), one GEMM for gate + up of every other ``GatedMLP`` (``fuse_gate_up``; the
     routed experts keep views of their stacked weights instead), one GEMM for MLA's q_a and kv_a
-    projections (``MLAAttention.fuse_qkv_a``). Parameters become views; no copy is kept."""
+    projections (``MLAAttention.fuse_qkv_a``). Parameters become views; no copy is kept, except MLA's
+    transposed W_UK for the few-row query absorption (``MLAAttention.make_w_uk_t``)."""
     routed = {id(e) for m in model.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList)
               for e in m.experts}
     for m in model.modules():
@@ -48,6 +49,7 @@ def prepare_uniform_model(model) -> None:
             m.fuse_gate_up()
         if hasattr(m, "fuse_qkv_a"):
             m.fuse_qkv_a()
+            m.make_w_uk_t()
 
 
 def release_graphs(graphs: dict) -> None:

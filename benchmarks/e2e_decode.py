@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import random
@@ -56,6 +57,9 @@ TINY = dict(FULL, vocab_size=256, hidden_size=64, intermediate_size=128, moe_int
             topk_group=1, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             max_position_embeddings=512, initializer_range=0.1)
 T0 = time.perf_counter()
+# --baselines: name -> (module, switch) set to False for that run (issue 10's "report ratios against a
+# baseline measured in the same run")
+BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL")}
 
 
 def log(msg: str) -> None:
@@ -378,7 +382,8 @@ def report(res: dict, batches: list[int]) -> str:
              f"`{res['command']}`", "",
              "| engine | batch | decode tok/s | step ms | MB/step | GB/s | roofline fraction | vs HF best |",
              "|---|---|---|---|---|---|---|---|"]
-    for key in ("longflash_cublas", "longflash", "longflash_eager"):
+    keys = [f"longflash_{n}" for n in BASELINES] + ["longflash", "longflash_eager"]
+    for key in keys:
         for b in batches:
             r = res.get(key, {}).get(str(b))
             if not r:
@@ -401,16 +406,16 @@ def report(res: dict, batches: list[int]) -> str:
         g, e = res.get("longflash", {}).get(str(b)), res.get("longflash_eager", {}).get(str(b))
         if g and e and res["device"] != "cpu":
             lines.append(f"\nCUDA graphs vs eager at batch {b}: {g['decode_tok_s'] / e['decode_tok_s']:.2f}x")
-        c = res.get("longflash_cublas", {}).get(str(b))
-        if g and c:
-            lines.append(f"\nTriton GEMV vs cuBLAS for the few-row GEMMs at batch {b}: "
-                         f"{g['decode_tok_s'] / c['decode_tok_s']:.3f}x")
+        for name in BASELINES:
+            c = res.get(f"longflash_{name}", {}).get(str(b))
+            if g and c:
+                lines.append(f"\nlongflash vs longflash_{name} at batch {b}: {g['decode_tok_s'] / c['decode_tok_s']:.3f}x")
         if g and "greedy_vs_hf" in g:
             c = g["greedy_vs_hf"]
             lines.append(f"\nbatch {b}: longflash greedy tokens equal to HF's for the first "
                          f"{c['matching_prefix_per_row']} of {c['tokens_per_row']} per row")
     lines.append("\nGoals: roofline fraction >= 0.75 at batch 1; >= 5x HF generate.")
-    for key in ("longflash_cublas", "longflash", "longflash_eager"):
+    for key in keys:
         for b in batches:
             prof = res.get(key, {}).get(str(b), {}).get("profile")
             if prof and "error" not in prof:
@@ -434,9 +439,10 @@ def main() -> int:
                     help="wall-clock target: later HF experts implementations, the eager run and the kernel "
                          "profiles are skipped when they would not fit")
     ap.add_argument("--skip-eager", action="store_true", help="do not run longflash --enforce-eager")
-    ap.add_argument("--baseline-cublas", action="store_true",
-                    help="first run longflash with every few-row GEMM on cuBLAS (the Triton GEMV off, "
-                         "longflash.layers.gemv.enabled = False): the GEMV's gain in the same run")
+    ap.add_argument("--baselines", nargs="*", default=[], choices=sorted(BASELINES),
+                    help="first run longflash (CUDA graphs) with these switched off, each a row of its own: "
+                         "'cublas' = every few-row GEMM on cuBLAS (longflash.layers.gemv.enabled = False), "
+                         "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False)")
     ap.add_argument("--op-shapes", action="store_true",
                     help="eager run: the ops with most device time per input shape at the smallest batch")
     args = ap.parse_args()
@@ -483,14 +489,15 @@ def main() -> int:
         hf_tokens = {b: res["hf"]["runs"][v["experts_implementation"]][str(b)]["tokens"]
                      for b, v in ((int(k), v) for k, v in res["hf"]["best"].items())}
         max_len = -(-(args.input_len + args.output_len + 8) // 64) * 64
-        if args.baseline_cublas:
-            from longflash.layers import gemv
-            gemv.enabled = False
+        for name in args.baselines:
+            module, attr = BASELINES[name]
+            mod = importlib.import_module(module)
+            setattr(mod, attr, False)
             try:
-                res["longflash_cublas"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len,
-                                                     False, hf_tokens, profile_deadline=0.5 * args.budget_s)
+                res[f"longflash_{name}"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len,
+                                                      False, hf_tokens, profile_deadline=0.5 * args.budget_s)
             finally:
-                gemv.enabled = True
+                setattr(mod, attr, True)
             dump(res, args.out)
             _free(dev)
         res["longflash"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False, hf_tokens,

@@ -224,5 +224,62 @@ def test_linear_dispatch_gpu_and_graph_replay():
     assert torch.equal(y, eager)
 
 
+def _compile_sm90() -> dict:
+    """Compile the GEMV and the RMSNorm kernels for sm_90 with programmatic dependent launch on (Triton's
+    bundled ptxas, no GPU): {kernel: {"ok", "wait": griddepcontrol.wait found in the PTX, "launch": its
+    launch_dependents, "pdl_launch": compiled for a PDL launch}}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from longflash.layers import gemv_triton, norm_triton
+    specs = {
+        "gemv": (gemv_triton._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                            **{n: "i32" for n in ("M", "N", "K", "sxb", "sxm", "sxk", "swb", "swn",
+                                                                  "swk", "syb", "sym", "syn")}},
+                 dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, INTERPRET=False, PDL=True)),
+        "rms_norm": (norm_triton._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                                                    "n_rows": "i32", "D": "i32", "stride_x": "i32", "stride_o": "i32",
+                                                    "eps": "fp32", "res_ptr": "*bf16", "res_out_ptr": "*bf16",
+                                                    "stride_r": "i32"},
+                     dict(BLOCK_D=2048, BLOCK_ROWS=1, HAS_RESIDUAL=True, PDL=True)),
+    }
+    out = {}
+    for name, (kern, sig, consts) in specs.items():
+        idx = kern.arg_names.index
+        try:
+            c = triton.compile(ASTSource(fn=kern, signature=dict(sig, **{k: "constexpr" for k in consts}), attrs={},
+                                         constexprs={(idx(n),): v for n, v in consts.items()}),
+                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, launch_pdl=True))
+            ptx = c.asm.get("ptx", "")
+            out[name] = {"ok": bool(c.asm.get("cubin")), "wait": "griddepcontrol.wait" in ptx,
+                         "launch": "griddepcontrol.launch_dependents" in ptx, "pdl_launch": bool(c.metadata.launch_pdl)}
+        except Exception as e:  # reported by the test
+            out[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    return out
+
+
+def test_kernels_compile_for_sm90_with_pdl_without_a_gpu():
+    """With programmatic dependent launch on, both kernels compile for sm_90 and carry the griddepcontrol
+    wait and launch_dependents instructions (the interpreter, which cannot run inline PTX, never sees them)."""
+    from sm90_compile import compile_report
+    res = compile_report(__file__)
+    assert len(res) == 2 and all(v.get("ok") and v["wait"] and v["launch"] and v["pdl_launch"]
+                                 for v in res.values()), res
+
+
+def test_pdl_off_the_gpu_and_under_the_interpreter(monkeypatch):
+    from longflash.ops import triton_env
+    assert not triton_env.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not triton_env.pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(triton_env, "PDL", False)
+    assert not triton_env.pdl_enabled(torch.device("cuda", 0))
+
+
 if __name__ == "__main__":
-    print(json.dumps(_interpreter_check()))
+    if "--compile-sm90" in sys.argv:
+        print(json.dumps(_compile_sm90()))
+    else:
+        print(json.dumps(_interpreter_check()))

@@ -9,6 +9,8 @@ in ``BLOCK_K`` steps: a few hundred programs stream the weight once, each keeps 
 [BLOCK_M, BLOCK_N, BLOCK_K] in registers and reduces over K once at the end. Any strides: W may be
 [N, K] row-major (``nn.Linear``), the transposed view of a [K, N] tensor, or a per-head batch of
 either (MLA's absorbed ``W_UK`` / ``W_UV``); y may be a strided view (a slice of a wider buffer).
+On sm_90+ the kernel is launched with programmatic dependent launch (``triton_env.pdl_enabled``): its
+first weight step loads while the previous kernel finishes.
 Accumulation is fp32 with one rounding to the output dtype, as cuBLAS; only the summation order
 differs. Deterministic (no atomics).
 """
@@ -21,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from longflash.ops.triton_env import interpreting
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from longflash.ops.triton_env import interpreting, pdl_enabled
 
 MAX_ROWS = 8  # rows of x this kernel takes; more go to cuBLAS
 
@@ -39,18 +43,23 @@ class GemvConfig:
 
 
 @triton.jit
-def _gemv_step(acc, x_base, w_base, k0, K, sxk, swk, mmask, nmask, BLOCK_K: tl.constexpr):
+def _load_w(w_base, k0, K, swk, nmask, BLOCK_K: tl.constexpr):
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    kmask = offs_k < K
-    w = tl.load(w_base + offs_k[None, :] * swk, mask=nmask[:, None] & kmask[None, :], other=0.0)
-    x = tl.load(x_base + offs_k[None, :] * sxk, mask=mmask[:, None] & kmask[None, :], other=0.0)
+    return tl.load(w_base + offs_k[None, :] * swk, mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _mac(acc, x_base, w, k0, K, sxk, mmask, BLOCK_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_base + offs_k[None, :] * sxk, mask=mmask[:, None] & (offs_k < K)[None, :], other=0.0)
     return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                  sxb, sxm, sxk, swb, swn, swk, syb, sym, syn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,15 +68,21 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     mmask = offs_m < M
     x_base = x_ptr + b * sxb + offs_m[:, None].to(tl.int64) * sxm
     w_base = w_ptr + b * swb + offs_n[:, None].to(tl.int64) * swn
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # The first weight step does not depend on the previous kernel: under programmatic dependent launch
+    # it is in flight while that kernel finishes; x (its output) is read only after gdc_wait.
+    w = _load_w(w_base, 0, K, swk, nmask, BLOCK_K)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = _mac(tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32), x_base, w, 0, K, sxk, mmask, BLOCK_K)
     if INTERPRET:  # a loop bounded by a run-time argument fails in the interpreter; the same loop as a while
-        k0 = 0
+        k0 = BLOCK_K
         while k0 < K:
-            acc = _gemv_step(acc, x_base, w_base, k0, K, sxk, swk, mmask, nmask, BLOCK_K)
+            acc = _mac(acc, x_base, _load_w(w_base, k0, K, swk, nmask, BLOCK_K), k0, K, sxk, mmask, BLOCK_K)
             k0 += BLOCK_K
     else:
-        for k0 in range(0, K, BLOCK_K):
-            acc = _gemv_step(acc, x_base, w_base, k0, K, sxk, swk, mmask, nmask, BLOCK_K)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            acc = _mac(acc, x_base, _load_w(w_base, k0, K, swk, nmask, BLOCK_K), k0, K, sxk, mmask, BLOCK_K)
     y = tl.sum(acc, axis=2)
     y_ptrs = y_ptr + b * syb + offs_m[:, None].to(tl.int64) * sym + offs_n[None, :] * syn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
@@ -138,7 +153,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     y3 = _as3(out)
     cfg = config or default_config(M, N, K)
     grid = (triton.cdiv(N, cfg.block_n), B)
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[grid](x3, w3, y3, M, N, K, *x3.stride(), *w3.stride(), *y3.stride(),
                        BLOCK_M=block_m_of(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                       INTERPRET=interpreting(), num_warps=cfg.num_warps)
+                       INTERPRET=interpreting(), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl)
     return out

@@ -15,17 +15,24 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from longflash.ops.triton_env import pdl_enabled
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps, res_ptr, res_out_ptr, stride_r,
-                     BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n_rows
     cmask = cols < D
     m = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # a weight: readable before gdc_wait
+    if PDL:  # programmatic dependent launch (triton_env.pdl_enabled): x is the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
     x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # s = x + residual rounded to the dtype (a PyTorch add), kept as the new residual
         r = tl.load(res_ptr + r64[:, None] * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -34,7 +41,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps, 
         x = s.to(tl.float32)
     ms = tl.sum(x * x, axis=1) / D
     y = x * tl.math.rsqrt(ms + eps)[:, None]
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
     tl.store(out_ptr + r64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -56,10 +62,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     if n:
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_ROWS = max(1, min(16, 4096 // BLOCK_D))
+        pdl = pdl_enabled(x.device)
         _rms_norm_kernel[(triton.cdiv(n, BLOCK_ROWS),)](x2, weight, out, n, D, x2.stride(0), out.stride(0), float(eps),
                                                         r2, res_out, r2.stride(0), BLOCK_D=BLOCK_D,
                                                         BLOCK_ROWS=BLOCK_ROWS, HAS_RESIDUAL=residual is not None,
-                                                        num_warps=4 if BLOCK_D <= 2048 else 8)
+                                                        PDL=pdl, num_warps=4 if BLOCK_D <= 2048 else 8, launch_pdl=pdl)
     return out.view(x.shape), res_out.view(x.shape)
 
 

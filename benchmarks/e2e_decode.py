@@ -408,7 +408,7 @@ def report(res: dict, batches: list[int]) -> str:
              "| engine | batch | decode tok/s | step ms | graph replay ms | MB/step | GB/s | roofline fraction | "
              "vs HF best |",
              "|---|---|---|---|---|---|---|---|---|"]
-    keys = [f"longflash_{n}" for n in BASELINES] + ["longflash", "longflash_eager"]
+    keys = ["longflash"] + [f"longflash_{n}" for n in BASELINES] + ["longflash_again", "longflash_eager"]
     for key in keys:
         for b in batches:
             r = res.get(key, {}).get(str(b))
@@ -468,9 +468,13 @@ def main() -> int:
                          "profiles are skipped when they would not fit")
     ap.add_argument("--skip-eager", action="store_true", help="do not run longflash --enforce-eager")
     ap.add_argument("--baselines", nargs="*", default=[], choices=sorted(BASELINES),
-                    help="first run longflash (CUDA graphs) with these switched off, each a row of its own: "
+                    help="after the default run, run longflash (CUDA graphs) with these switched off, each a row "
+                         "of its own: "
                          "'cublas' = every few-row GEMM on cuBLAS (longflash.layers.gemv.enabled = False), "
                          "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False)")
+    ap.add_argument("--repeat-default", action="store_true",
+                    help="after the baselines, run the default configuration once more (longflash_again): "
+                         "the drift between runs in one process")
     ap.add_argument("--op-shapes", action="store_true",
                     help="eager run: the ops with most device time per input shape at the smallest batch")
     args = ap.parse_args()
@@ -517,21 +521,24 @@ def main() -> int:
         hf_tokens = {b: res["hf"]["runs"][v["experts_implementation"]][str(b)]["tokens"]
                      for b, v in ((int(k), v) for k, v in res["hf"]["best"].items())}
         max_len = -(-(args.input_len + args.output_len + 8) // 64) * 64
-        for name in args.baselines:
-            module, attr = BASELINES[name]
-            mod = importlib.import_module(module)
-            setattr(mod, attr, False)
+        # The default first, then each baseline, then (--repeat-default) the default again: runs in one
+        # process drift (session 22 measured the host's share of a step growing from run to run while the
+        # graph's own time stayed put), so the repeat shows how much of a difference is order.
+        runs = ["longflash"] + [f"longflash_{n}" for n in args.baselines] + \
+            (["longflash_again"] if args.repeat_default else [])
+        for key in runs:
+            switch = BASELINES.get(key[len("longflash_"):])
+            mod = importlib.import_module(switch[0]) if switch else None
+            if mod is not None:
+                setattr(mod, switch[1], False)
             try:
-                res[f"longflash_{name}"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len,
-                                                      False, hf_tokens, profile_deadline=0.5 * args.budget_s)
+                res[key] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False, hf_tokens,
+                                      profile_deadline=0.7 * args.budget_s)
             finally:
-                setattr(mod, attr, True)
+                if mod is not None:
+                    setattr(mod, switch[1], True)
             dump(res, args.out)
             _free(dev)
-        res["longflash"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False, hf_tokens,
-                                      profile_deadline=0.7 * args.budget_s)
-        dump(res, args.out)
-        _free(dev)
         if args.skip_eager or (dev.type == "cuda" and elapsed() > 0.7 * args.budget_s):
             log("longflash eager: skipped" + ("" if args.skip_eager else " (time budget)"))
         else:

@@ -134,12 +134,12 @@ def test_reference_and_dispatch_on_the_cpu():
 
 
 def test_use_gemv_rules():
-    """Only CUDA, 1..GEMV_MAX_ROWS rows, a 16-bit dtype shared by x and w, w contiguous along K, no
-    autograd."""
+    """Only CUDA, 1..GEMV_MAX_ROWS rows (two only up to GEMV_TWO_ROW_MAX_WEIGHT weight elements), a 16-bit
+    dtype shared by x and w, w contiguous along K, no autograd."""
     class FakeCuda:  # the rules read attributes only; a real CUDA tensor is not needed to check them
-        def __init__(self, rows, dtype=torch.bfloat16, requires_grad=False, cuda=True, k_stride=1):
+        def __init__(self, rows, dtype=torch.bfloat16, requires_grad=False, cuda=True, k_stride=1, k=64):
             self.is_cuda, self.dtype, self.requires_grad = cuda, dtype, requires_grad
-            self.shape, self.k_stride = (rows, 64), k_stride
+            self.shape, self.k_stride = (rows, k), k_stride
 
         def stride(self, dim):
             assert dim == -1
@@ -152,6 +152,9 @@ def test_use_gemv_rules():
     assert not gemv.use_gemv(FakeCuda(1), FakeCuda(32, torch.float16))
     assert not gemv.use_gemv(FakeCuda(1, cuda=False), w)
     assert not gemv.use_gemv(FakeCuda(1), FakeCuda(32, k_stride=32))  # a [K, N]-stored weight
+    big = FakeCuda(gemv.GEMV_TWO_ROW_MAX_WEIGHT // 64 + 1)  # one row more than the two-row cap allows
+    assert gemv.use_gemv(FakeCuda(1), big) and not gemv.use_gemv(FakeCuda(2), big)
+    assert gemv.use_gemv(FakeCuda(2), FakeCuda(gemv.GEMV_TWO_ROW_MAX_WEIGHT // 64))
     with torch.enable_grad():
         assert not gemv.use_gemv(FakeCuda(1, requires_grad=True), w)
     try:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows of x up to which a CUDA product takes the Triton kernel (``gemv_triton.MAX_ROWS`` at most): at 1
-# and 2 rows it beat cuBLAS at every shape of the benchmark model, at 4 rows it did not
-# (``benchmarks/results/gemv.h200.md``). ``enabled = False`` sends every product to cuBLAS (the
-# benchmark's baseline).
+# Rows of x up to which a CUDA product takes the Triton kernel (``gemv_triton.MAX_ROWS`` at most), and the
+# largest weight (N · K elements) it takes at two rows. H200 sweep (``benchmarks/results/gemv.h200.md``):
+# at one row the kernel beat or tied cuBLAS at every K-contiguous shape (2 MB to the 530 MB LM head); at two
+# rows it won at every per-layer shape of the benchmark model (≤ 9.4 MB) but lost on the 29 MB DeepSeek-V3
+# o_proj shard, the 67 MB dense gate_up and the LM head; at four rows it lost at most shapes.
 GEMV_MAX_ROWS = 2
+GEMV_TWO_ROW_MAX_WEIGHT = 1 << 23  # 8.4 M elements (16 MB in bf16): every per-layer weight of the benchmark model
 enabled = True
 
 
@@ -45,11 +47,14 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) 
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x · w^T`` goes to the Triton kernel: CUDA, ≤ ``GEMV_MAX_ROWS`` rows, a 16-bit dtype shared
-    by both, w contiguous along K (its programs split N; a [K, N]-stored weight would leave the GPU
-    idle), and no autograd (the kernel has no backward)."""
-    return (enabled and x.is_cuda and 0 < x.shape[-2] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether ``x · w^T`` goes to the Triton kernel: CUDA, one row (or two with a weight of at most
+    ``GEMV_TWO_ROW_MAX_WEIGHT`` elements per batch entry), a 16-bit dtype shared by both, w contiguous
+    along K (its programs split N; a [K, N]-stored weight would leave the GPU idle), and no autograd (the
+    kernel has no backward)."""
+    rows = x.shape[-2]
+    return (enabled and x.is_cuda and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype == x.dtype and w.stride(-1) == 1
+            and (rows == 1 or w.shape[-1] * w.shape[-2] <= GEMV_TWO_ROW_MAX_WEIGHT)
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 

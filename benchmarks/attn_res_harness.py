@@ -245,7 +245,7 @@ def _graph_line(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", help="directory for attn_res_harness.json and .md")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
     ap.add_argument("--tokens", type=int, default=4096)

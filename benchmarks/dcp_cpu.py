@@ -77,7 +77,8 @@ def run_dcp(n: int, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)

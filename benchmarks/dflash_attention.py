@@ -53,7 +53,7 @@ NH, KVH, HD, BK, BLOCK = 4, 2, 64, 8, 16  # the shipped drafter; the engine's po
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])

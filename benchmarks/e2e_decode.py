@@ -456,7 +456,7 @@ def report(res: dict, batches: list[int]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny config on the CPU (the default when there is no GPU)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])

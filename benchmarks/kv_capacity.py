@@ -46,7 +46,7 @@ def default_model_entry():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", default="80GiB", help="KV memory budget (e.g. 80GiB)")
     ap.add_argument("--block-size", type=int, default=64)

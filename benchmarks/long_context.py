@@ -352,7 +352,7 @@ def report(res: dict) -> str:
 
 def main() -> int:
     from longflash.default_model_path import default_model_path
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None, help="model directory (default: the embedded default model)")
     ap.add_argument("--tokens", type=int, default=524288, help="prompt length")

@@ -704,7 +704,7 @@ SECTIONS = {"dsv3": (sec_dsv3, "build"), "default_fp8_chunked": (sec_default_fp8
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="directory for multi_gpu.json / .md")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (gloo): checks the script")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip a unit whose estimated end passes this")

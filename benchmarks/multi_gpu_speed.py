@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", default="1x1,2x1,2x2", help="tp x dcp pairs")
     ap.add_argument("--context", type=int, default=32768)

@@ -158,7 +158,7 @@ def ptx_decode_check() -> bool | str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="directory for mxfp4_moe.json and mxfp4_moe.md")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--experts", type=int, default=None, help="experts kept in memory (default 896)")

@@ -820,7 +820,8 @@ class Bench:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--out", required=True, help="output directory for mxfp8_staged.json / .md")
     p.add_argument("--smoke", action="store_true", help="tiny shape (M=64, 6 x 256, N=256); runs on the CPU")
     p.add_argument("--cpu", action="store_true", help="force the CPU even if CUDA is available")

@@ -44,7 +44,7 @@ import provenance  # noqa: E402  (benchmarks/provenance.py: the commit a result 
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="directory for nccl_smoke.json / .md")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--configs", default="2x1,2x2,4x2,4x4", help="tp x dcp pairs, comma separated")

@@ -46,7 +46,7 @@ def build(dtype: str, batch: int, ctx: int, seed: int = 0):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--dtype", choices=("bf16", "fp8"), default="fp8")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=32768)

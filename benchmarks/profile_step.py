@@ -138,7 +138,7 @@ def profile_run(args, spec: str | None, batch: int, out_dir: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None)
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])

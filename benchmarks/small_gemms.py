@@ -120,7 +120,7 @@ def combine_rows(dev, dtype) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", choices=("gate_up",), help="only the gate_up and MoE-combine tables")
     a = ap.parse_args()

@@ -80,7 +80,7 @@ def _rank(rank: int, world: int, port: int, link: LocalLink, iters: int, out: st
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=300)
     args = ap.parse_args()

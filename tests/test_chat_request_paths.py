@@ -5,6 +5,7 @@ takes vLLM's template keywords with the same checks (found by a fresh user)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import httpx
 import pytest
@@ -78,6 +79,74 @@ def test_untrusted_request_template_refused_by_tokenize(engine):
     app = build_app(engine, ["m"], "p", ServerMetrics("m2"))
     r = _post(app, "/tokenize", {"messages": OPEN_TURN, "chat_template": OTHER})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+@pytest.mark.parametrize("body", [{"messages": []}, {"messages": [], "add_generation_prompt": False}])
+def test_empty_messages_same_error_on_both_routes(app, body):
+    """``messages: []`` was a pydantic "List should have at least 1 item" error on the chat route and the
+    renderer's ValueError without a param on /tokenize (found by a fresh user)."""
+    tok = _post(app, "/tokenize", body)
+    chat = _post(app, "/v1/chat/completions", {**body, "max_tokens": 1})
+    assert tok.status_code == chat.status_code == 400, (tok.text, chat.text)
+    assert tok.json() == chat.json()
+    err = chat.json()["error"]
+    assert err["param"] == "messages" and err["type"] == "invalid_request_error" and err["code"] == "invalid_value"
+    assert "non-empty list" in err["message"]
+
+
+@pytest.mark.parametrize("body", [{}, {"messages": None}])
+def test_missing_messages_same_message_as_empty(app, body):
+    """A chat request without ``messages`` (or with null) gets the empty list's message and param; the
+    code says the field is missing."""
+    empty = _post(app, "/v1/chat/completions", {"messages": [], "max_tokens": 1}).json()["error"]
+    r = _post(app, "/v1/chat/completions", {**body, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["message"], err["type"], err["param"]) == (empty["message"], empty["type"], empty["param"])
+    assert err["code"] == "missing_required_parameter"
+
+
+def test_tokenize_without_prompt_or_messages_names_both(app):
+    r = _post(app, "/tokenize", {})
+    assert r.status_code == 400 and "exactly one of 'prompt' or 'messages'" in r.json()["error"]["message"], r.text
+
+
+BOS = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def bos_app(model_dir, tmp_path_factory):
+    """The tiny model with a tokenizer that adds a BOS token (``<|endoftext|>``) when asked to add special
+    tokens, as DeepSeek's and Llama's do (the plain tiny tokenizer adds none)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+    path = str(tmp_path_factory.mktemp("tiny_bos") / "model")
+    shutil.copytree(model_dir, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    bos = tok.convert_tokens_to_ids(BOS)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos)])
+    tok.save_pretrained(path)
+    with running_engine(path) as ae:
+        yield build_app(ae, ["m"], "p", ServerMetrics("m3")), bos
+
+
+def test_tokenize_messages_honours_add_special_tokens(bos_app):
+    """/tokenize with ``messages`` ignored ``add_special_tokens`` (vLLM: default false for messages, the
+    template writes the special tokens; true adds the tokenizer's on top); the chat route takes the field
+    too and renders the same ids."""
+    app, bos = bos_app
+    plain = _post(app, "/tokenize", {"messages": OPEN_TURN}).json()["tokens"]
+    assert plain[0] != bos
+    assert _post(app, "/tokenize", {"messages": OPEN_TURN, "add_special_tokens": False}).json()["tokens"] == plain
+    with_bos = _post(app, "/tokenize", {"messages": OPEN_TURN, "add_special_tokens": True}).json()["tokens"]
+    assert with_bos == [bos] + plain
+    for flag, ids in ((True, with_bos), (False, plain)):
+        chat = _post(app, "/v1/chat/completions", {"messages": OPEN_TURN, "add_special_tokens": flag, "max_tokens": 1,
+                                                   "temperature": 0})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(ids), chat.text
+    r = _post(app, "/v1/chat/completions", {"messages": OPEN_TURN, "add_special_tokens": "yes", "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,11 @@ One path for the server's ``/v1/chat/completions`` and ``/tokenize`` (with ``mes
   ``continue_final_message`` (vLLM's rule: the kwargs win), picks the template (a request's own, when
   trusted, else the server's/caller's default, else the tokenizer's) and raises
   :class:`ChatOptionError` (a ValueError carrying the request field it is about) for what vLLM refuses.
+- :func:`check_messages` refuses a missing or empty ``messages`` list with one error (the same on every
+  route, naming the ``messages`` field).
 - :func:`render_chat` validates the messages (``chat_utils.normalize_messages``) and applies the
-  template: the prompt text and its token ids (``add_special_tokens=False``: the template writes them).
+  template: the prompt text and its token ids (by default ``add_special_tokens=False``: the template
+  writes them; vLLM's ``add_special_tokens`` field adds the tokenizer's on top).
 """
 from __future__ import annotations
 
@@ -25,12 +28,26 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "conversations", "messages", "tokeni
 
 
 class ChatOptionError(ValueError):
-    """A chat template option that is refused; ``param`` is the request field (e.g.
-    ``chat_template_kwargs.tokenize``)."""
+    """A chat request field that is refused; ``param`` is the request field (e.g.
+    ``chat_template_kwargs.tokenize``), ``code`` the OpenAI error code when it is not ``invalid_value``
+    (None)."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
+
+
+EMPTY_MESSAGES = "messages must be a non-empty list of {'role': ..., 'content': ...} messages"
+
+
+def check_messages(messages) -> None:
+    """Refuse a chat request's ``messages`` when it is missing (None) or not a non-empty list: one
+    message and ``param`` for every route (code ``missing_required_parameter`` for None). The messages
+    themselves are checked by ``chat_utils.normalize_messages``. Raises ChatOptionError."""
+    if messages is None:
+        raise ChatOptionError(EMPTY_MESSAGES, "messages", "missing_required_parameter")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatOptionError(EMPTY_MESSAGES, "messages")
 
 
 def template_options(add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -96,13 +113,16 @@ def template_options(add_generation_prompt: bool = True, continue_final_message:
 
 
 def render_chat(tokenizer, messages, add_generation_prompt: bool, kwargs: dict | None,
-                content_format: str = "auto") -> tuple[str, list[int]]:
+                content_format: str = "auto", add_special_tokens: bool = False) -> tuple[str, list[int]]:
     """``(prompt text, token ids)`` of ``messages`` (OpenAI message dicts) through the chat template
     (``kwargs["chat_template"]`` or the tokenizer's), message content given in ``content_format``
     (``auto``: detected from that template; ``chat_utils.py``). ``kwargs``: from :func:`template_options`.
     The ids are the text encoded without added special tokens (the template writes them), as
-    transformers' ``apply_chat_template(tokenize=True)``. Raises ValueError: no tokenizer or no template,
-    a bad message, a template that fails to render (``chat_utils.template_error``)."""
+    transformers' ``apply_chat_template(tokenize=True)``; ``add_special_tokens=True`` (vLLM's request
+    field of the chat and ``/tokenize`` routes) adds the tokenizer's (e.g. a BOS) on top. Raises
+    ValueError: no tokenizer or no template, missing/empty messages (:func:`check_messages`), a bad
+    message, a template that fails to render (``chat_utils.template_error``)."""
+    check_messages(messages)
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; it was not loaded (skip_tokenizer_init / --skip-tokenizer-init)")
     kwargs = dict(kwargs or {})
@@ -117,4 +137,4 @@ def render_chat(tokenizer, messages, add_generation_prompt: bool, kwargs: dict |
         raise
     except Exception as e:  # jinja2 errors, a TypeError on content of the other format
         raise template_error(e, fmt) from e
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import longflash
-from longflash.entrypoints.chat_request import ChatOptionError, render_chat, template_options
+from longflash.entrypoints.chat_request import ChatOptionError, check_messages, render_chat, template_options
 from longflash.entrypoints.chat_utils import check_chat_template, check_content_format
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids
 from longflash.entrypoints.server.async_engine import (AsyncEngine, EngineRequestError, RequestStream, ServerShuttingDown,
@@ -100,9 +100,14 @@ def _param_of(message: str) -> str | None:
     return None
 
 
-def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
+def _message_dicts(messages: list[ChatMessage] | None) -> list[dict]:
     """The request's messages as dicts (validated again and put in the content format by
-    ``chat_request.render_chat``)."""
+    ``chat_request.render_chat``). ApiError 400 (param ``messages``) for missing or empty messages:
+    ``chat_request.check_messages``, one error for the chat route and ``/tokenize``."""
+    try:
+        check_messages(messages)
+    except ChatOptionError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
     return [m.model_dump(exclude_none=True) for m in messages]
 
 
@@ -487,7 +492,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             if engine.tokenizer is None:
                 raise ValueError("the server was started with --skip-tokenizer-init")
             if req.messages is not None:  # the chat route's prompt, from the same options
-                return render_chat(engine.tokenizer, messages, agp, kwargs, srv.content_format)[1]
+                return render_chat(engine.tokenizer, messages, agp, kwargs, srv.content_format,
+                                   req.add_special_tokens)[1]
             return list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
 
         try:
@@ -597,6 +603,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         srv.check_auth(request)
         req: ChatCompletionRequest = await srv.parse(request, ChatCompletionRequest)
         model = srv.check_model(req.model)
+        messages = _message_dicts(req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs",
@@ -606,11 +613,10 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             raise ApiError(400, f"top_logprobs must be in [0, {srv.max_logprobs}], got {top_n}",
                            param="top_logprobs", code="invalid_value")
         params = srv.sampling_params(req, max_tokens, top_n if req.logprobs else None)
-        messages = _message_dicts(req.messages)
         agp, kwargs = _template_options(req, srv.chat_template, srv.trust_request_chat_template)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await srv.add(rid, lambda engine: render_chat(engine.tokenizer, messages, agp, kwargs,
-                                                                srv.content_format)[1],
+                                                                srv.content_format, req.add_special_tokens)[1],
                                 params, _max_tokens_field(req))
         created = int(time.time())
 

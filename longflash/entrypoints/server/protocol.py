@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from longflash.entrypoints.chat_utils import ROLES, content_text
 
@@ -136,7 +136,11 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    """``messages`` is required and non-empty: checked by ``chat_request.check_messages``, the check of
+    ``/tokenize`` too (one error for both routes). ``add_special_tokens`` (vLLM's, default false: the
+    template writes the special tokens) adds the tokenizer's on top of the rendered prompt."""
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -144,7 +148,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
 
 class TokenizeRequest(_ChatTemplateFields):
     """``prompt`` (text) or ``messages``: the latter rendered exactly as a chat request with the same
-    template fields renders it (``chat_request.py``)."""
+    template fields and ``add_special_tokens`` renders it (``chat_request.py``). ``add_special_tokens``
+    defaults to false for both forms (a text prompt is encoded as ``/v1/completions`` encodes it)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -77,6 +77,22 @@ def test_offline_allowed_token_ids_and_truncation(llm):
         llm.generate("hi", SamplingParams(allowed_token_ids=[1, 100000]))
 
 
+def test_truncated_prompt_text_is_vllms(llm):
+    """``RequestOutput.prompt`` of a truncated prompt follows vLLM: the text as given (v1
+    ``LLMEngine.add_request`` and the server's renderer pass the input's text, untruncated), None for token
+    ids, the rendered conversation for ``LLM.chat``; ``prompt_token_ids`` are the kept tokens."""
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    sp = SamplingParams(max_tokens=1, truncate_prompt_tokens=3)
+    for prompt, shown in ((text, text), ({"prompt": text}, text), ({"prompt_token_ids": ids}, None), (ids, None)):
+        for n in (1, 2):
+            out = llm.generate(prompt, SamplingParams(max_tokens=1, truncate_prompt_tokens=3, n=n))[0]
+            assert (out.prompt, out.prompt_token_ids) == (shown, ids[-3:]), (prompt, n)
+    chat = llm.chat([{"role": "user", "content": text}], sp)[0]
+    full = llm.chat([{"role": "user", "content": text}], SamplingParams(max_tokens=1))[0]
+    assert chat.prompt == full.prompt and chat.prompt_token_ids == full.prompt_token_ids[-3:]
+
+
 def test_include_stop_str_in_output(llm):
     base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     text = llm.generate("Hello world", base)[0].outputs[0].text

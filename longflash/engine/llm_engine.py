@@ -484,7 +484,10 @@ class LLMEngine:
         """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids": [...]}``. A left-out or
         None ``params.max_tokens`` is resolved by :meth:`max_output_tokens` on a copy of ``params``.
 
-        ``params.truncate_prompt_tokens`` keeps the prompt's last k tokens (:meth:`_truncated`).
+        ``params.truncate_prompt_tokens`` keeps the prompt's last k tokens (:meth:`_truncated`): the output's
+        ``prompt_token_ids`` are the kept tokens while its ``prompt`` stays the text as given (None for token
+        ids), as vLLM's ``RequestOutput.prompt`` (v1 ``LLMEngine.add_request`` passes the input's text, and
+        its server renderer the request's, untruncated).
 
         Returns the request id. Raises ValueError (nothing is queued) for invalid input (also logprobs
         above ``max_logprobs``, token ids of ``allowed_token_ids`` / ``logit_bias`` / ``stop_token_ids``

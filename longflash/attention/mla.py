@@ -112,8 +112,9 @@ class MLAAttention(nn.Module):
         elements, 2 MB per layer for 16 heads of DeepSeek-V3's dims in bf16), for the query absorption of
         uniform decode steps: the few-row GEMV reads its weight along the contraction dim, which in
         ``kv_b_proj``'s layout is strided (vLLM keeps the same ``W_UK_T``). Called with the other
-        decode-time fusions (``cuda_graph.prepare_uniform_model``); idempotent."""
-        if self.w_uk_t is None:
+        decode-time fusions (``cuda_graph.prepare_uniform_model``); idempotent; a no-op with the GEMV off
+        (``gemv.enabled``: cuBLAS takes the strided view as it is)."""
+        if self.w_uk_t is None and gemv.enabled:
             self.w_uk_t = self._w_uk_uv()[0].detach().transpose(1, 2).contiguous()
 
     # W_UK: [H, qk_nope, R], W_UV: [H, v, R] views of kv_b_proj.weight [H*(nope+v), R].

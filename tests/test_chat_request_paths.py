@@ -209,3 +209,17 @@ def test_serve_refuses_an_empty_chat_template(value, tmp_path, capsys):
         value = str(f)
     assert main(["serve", "/nonexistent-model", "--port", str(free_port()), "--chat-template", value]) == 2
     assert "error: --chat-template: the chat template is empty" in capsys.readouterr().err
+
+
+def test_text_prompts_get_special_tokens_by_default(bos_app):
+    """vLLM's default for text prompts: the tokenizer's special tokens are added (a BOS for DeepSeek's and
+    Llama's tokenizers) on ``/v1/completions`` and ``/tokenize`` with ``prompt``; ``add_special_tokens:
+    false`` leaves them out; messages keep the template's tokens only (tested above)."""
+    app, bos = bos_app
+    with_bos = _post(app, "/tokenize", {"prompt": "hello world"}).json()["tokens"]
+    plain = _post(app, "/tokenize", {"prompt": "hello world", "add_special_tokens": False}).json()["tokens"]
+    assert with_bos == [bos] + plain and plain and plain[0] != bos
+    assert _post(app, "/tokenize", {"prompt": "hello world", "add_special_tokens": True}).json()["tokens"] == with_bos
+    for body, ids in (({}, with_bos), ({"add_special_tokens": False}, plain)):
+        r = _post(app, "/v1/completions", {"prompt": "hello world", "max_tokens": 1, "temperature": 0, **body})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text

@@ -426,9 +426,12 @@ class LLMEngine:
         self._shut_down = True
 
     # ---- requests -------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of a text prompt. Raises ValueError without a tokenizer, for a non-string, and for
-        text that is not valid Unicode (e.g. lone surrogates from undecodable bytes)."""
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, with the tokenizer's special tokens (e.g. DeepSeek's and Llama's BOS)
+        unless ``add_special_tokens`` is False: vLLM's default for text prompts (offline and
+        ``/v1/completions``); a chat prompt is rendered by its template instead (``chat_request.py``).
+        Raises ValueError without a tokenizer, for a non-string, and for text that is not valid Unicode
+        (e.g. lone surrogates from undecodable bytes)."""
         if self.tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True")
         if not isinstance(prompt, str):
@@ -437,7 +440,7 @@ class LLMEngine:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at position {e.start})") from None
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def new_request_id(self) -> str:
         self._counter += 1

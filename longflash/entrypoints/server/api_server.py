@@ -493,8 +493,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
                 raise ValueError("the server was started with --skip-tokenizer-init")
             if req.messages is not None:  # the chat route's prompt, from the same options
                 return render_chat(engine.tokenizer, messages, agp, kwargs, srv.content_format,
-                                   req.add_special_tokens)[1]
-            return list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+                                   bool(req.add_special_tokens))[1]
+            return engine.tokenize(req.prompt, req.add_special_tokens is not False)
 
         try:
             ids = await async_engine.run(fn)
@@ -543,7 +543,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         def prompt_fn_of(prompt):
             def prompt_fn(engine):
                 if isinstance(prompt, str):
-                    return engine.tokenize(prompt) if prompt else []
+                    return engine.tokenize(prompt, req.add_special_tokens) if prompt else []
                 return list(prompt)
             return prompt_fn
 

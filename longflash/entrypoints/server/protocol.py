@@ -97,10 +97,12 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    # A string, a list of token ids, or a batch of one of either.
+    """``prompt``: a string, a list of token ids, or a batch of one of either. ``add_special_tokens``
+    (vLLM's, default true): text prompts get the tokenizer's special tokens (a BOS for DeepSeek/Llama)."""
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True
 
 
 class _ChatTemplateFields(_Strict):
@@ -149,11 +151,12 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
 class TokenizeRequest(_ChatTemplateFields):
     """``prompt`` (text) or ``messages``: the latter rendered exactly as a chat request with the same
     template fields and ``add_special_tokens`` renders it (``chat_request.py``). ``add_special_tokens``
-    defaults to false for both forms (a text prompt is encoded as ``/v1/completions`` encodes it)."""
+    left out is vLLM's default for each form: true for a text prompt (encoded as ``/v1/completions``
+    encodes it), false for messages (the template writes the special tokens)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -39,9 +39,10 @@ run fused_elementwise_tests 50 python3 -m pytest -q -p no:cacheprovider tests/te
 run kda 160 python3 benchmarks/kda.py --out "$R"
 # gpu_tests: the CPU-only interpreter and sm_90-compile tests of these files are left to the CPU suite
 run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py tests/test_kda_chunked_triton.py -k "not interpreter and not sm90"
-run cuda_graph_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe_grouped.py tests/test_norm_triton.py -k "graph or gpu or sync"
+run cuda_graph_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe_grouped.py tests/test_norm_triton.py tests/test_gemv_triton.py -k "(graph or gpu or sync) and not interpreter and not sm90"
+run gemv 100 python3 benchmarks/gemv.py --out "$R" --budget-s 60
 run penalties_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_penalties.py -k gpu
-run e2e_decode 240 python3 benchmarks/e2e_decode.py --out "$R"
+run e2e_decode 300 python3 benchmarks/e2e_decode.py --out "$R" --budget-s 280 --baselines cublas --repeat-default
 run long_context 210 python3 benchmarks/long_context.py --out "$R"
 run dflash_bench_code 90 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind code --max-num-seqs 16 --kv-cache-memory 8GiB --output-json "$R/dflash_bench_code.json"
 run dflash_bench_prose 90 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind prose --max-num-seqs 16 --kv-cache-memory 8GiB --output-json "$R/dflash_bench_prose.json"

@@ -1,7 +1,10 @@
-"""Few-row products ``x · W^T`` of a batch-1 decode step: cuBLAS (``F.linear`` / ``torch.matmul``) against
-the Triton GEMV (``longflash/layers/gemv_triton.py``) and a sweep of its tiles (issue 10, benchmark 2).
+"""Few-row GEMV vs cuBLAS at a batch-1 decode step's projection shapes, with a sweep of the GEMV's tiles.
 
-    python3 benchmarks/gemv.py --out DIR        (GPU; on the CPU: a tiny smoke run of the same code)
+cuBLAS (``F.linear`` / ``torch.matmul``) against the Triton GEMV (``longflash/layers/gemv_triton.py``;
+issue 10, benchmark 2).
+
+    python3 benchmarks/gemv.py --out DIR        (GPU; on the CPU: a tiny smoke run of the same code under
+                                                 TRITON_INTERPRET=1, no timings worth reading)
 
 Shapes: the projections of the DeepSeek-V3-shaped benchmark model (``e2e_decode.py``: hidden 2048,
 q_lora_rank 1536, 16 heads, MLA's absorbed per-head ``W_UK`` / ``W_UV``, shared experts, the dense first
@@ -23,6 +26,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # the kernel runs in Triton's interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_timing import graph_seconds  # noqa: E402
@@ -81,12 +87,12 @@ def main() -> int:
     shapes = SHAPES if cuda else [(n, min(b, 2), min(N, 96), min(K, 64), lay) for n, b, N, K, lay in SHAPES[:8]]
     res = {"commit": provenance.commit(), "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
            "torch": torch.__version__, "command": " ".join(["python3"] + sys.argv), "rows": []}
-    res["copy_gbs"] = measure_copy_bandwidth(dev) if cuda else 1.0
+    res["copy_gbs"] = measure_copy_bandwidth(dev)
     print(f"copy {res['copy_gbs']:.0f} GB/s", flush=True)
     for (name, B, N, K, layout), M in itertools.product(shapes, ROWS):
         ring = weights_ring(B, N, K, layout, dev, dtype, not cuda)
         x = torch.randn(B, M, K, device=dev).to(dtype) if B > 1 else torch.randn(M, K, device=dev).to(dtype)
-        nbytes = ring[0].numel() * 2 + x.numel() * 2 + B * M * N * 2
+        nbytes = (ring[0].numel() + x.numel() + B * M * N) * x.element_size()
         ref = gemv_ref(x, ring[0]).float()
         scale = ref.abs().max().item() or 1.0
         row = {"shape": name, "B": B, "N": N, "K": K, "layout": layout, "M": M, "bytes": nbytes}

@@ -176,6 +176,23 @@ def test_gemv_triton_rejects_bad_input():
             gemv_triton(*args)
     with pytest.raises(ValueError, match="do not match"):
         gemv_ref(x, torch.randn(8, 15))
+    ints = (torch.ones(2, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32))
+    for fn in (gemv_triton, gemv_ref):
+        with pytest.raises(ValueError, match="share a dtype"):
+            fn(*ints)
+        with pytest.raises(ValueError, match="share a dtype"):
+            fn(x.double(), w.double())
+
+
+def test_bmm_fallback_checks_out_like_the_kernel():
+    """The torch path of ``gemv.bmm`` (CPU, many rows) refuses an ``out`` of another shape or dtype with the
+    kernel's ValueError instead of broadcasting or casting into it."""
+    x, w = torch.randn(2, 1, 8), torch.randn(2, 4, 8)
+    for out in (torch.zeros(2, 3, 4), torch.zeros(2, 1, 4, dtype=torch.float16), torch.empty(2, 1, 5)):
+        with pytest.raises(ValueError, match="out"):
+            gemv.bmm(x, w, out=out)
+        with pytest.raises(ValueError, match="out"):
+            gemv_ref(x, w, out)
 
 
 BENCH_SHAPES = [(1, 2112, 2048, "nk"), (1, 3072, 1536, "nk"), (1, 2048, 2048, "nk"), (1, 1024, 2048, "nk"),

@@ -154,9 +154,14 @@ def test_rotate_qk_q_out_reference_and_errors():
     rot = RotaryEmbedding(16, DEFAULT, 4096)
     q, k, pos = torch.randn(3, 2, 16), torch.randn(3, 16), torch.arange(3)
     for q_out, qq in ((torch.empty(3, 2, 8), q), (torch.empty(3, 2, 16, dtype=torch.float16), q),
-                      (torch.empty(3, 2, 32)[..., ::2], q), (torch.empty(3, 2, 16), None)):
-        with pytest.raises(ValueError, match="q_out"):
+                      (torch.empty(3, 2, 32)[..., ::2], q)):
+        with pytest.raises(ValueError, match="q_out must have"):
             rot.rotate_qk(qq, k, pos, q_out=q_out)
+    with pytest.raises(ValueError, match="q_out is given but q is None"):
+        rot.rotate_qk(None, k, pos, q_out=torch.empty(3, 2, 16))
+    for bad_dim in (7, 0, -2):
+        with pytest.raises(ValueError, match="positive even"):
+            RotaryEmbedding(bad_dim, DEFAULT, 4096)
 
 
 def test_rotate_qk_cpu_is_the_previous_math():

@@ -18,13 +18,14 @@ import torch.nn.functional as F
 GEMV_MAX_ROWS = 2
 GEMV_TWO_ROW_MAX_WEIGHT = 1 << 23  # 8.4 M elements (16 MB in bf16): every per-layer weight of the benchmark model
 enabled = True
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of x and w, in the reference and the kernel
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``y[b] = x[b] · w[b]^T`` in fp32, rounded once to x's dtype (the reference of ``gemv_triton``).
 
     Args:
-        x: [M, K] or [B, M, K], any float dtype and strides.
+        x: [M, K] or [B, M, K], bf16 / fp16 / fp32 (``DTYPES``), any strides.
         w: [N, K] or [B, N, K], x's dtype.
         out: optional [M, N] / [B, M, N] of x's dtype receiving y.
     Returns:
@@ -36,14 +37,17 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) 
             (x.dim() == 3 and w.shape[0] != x.shape[0]):
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} do not match (both 2-D or both 3-D, same K "
                          "and batch)")
-    if w.dtype != x.dtype:
-        raise ValueError(f"w's dtype {w.dtype} differs from x's {x.dtype}")
+    if w.dtype != x.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"x and w must share a dtype of {DTYPES}, got {x.dtype} and {w.dtype}")
     y = torch.matmul(x.float(), w.float().transpose(-1, -2)).to(x.dtype)
-    if out is None:
-        return y
-    if out.shape != y.shape or out.dtype != x.dtype:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be {tuple(y.shape)} {x.dtype}")
-    return out.copy_(y)
+    return y if out is None else _check_out(out, y).copy_(y)
+
+
+def _check_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``out`` if it has y's shape and dtype, else ValueError."""
+    if out.shape != y.shape or out.dtype != y.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be {tuple(y.shape)} {y.dtype}")
+    return out
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -71,9 +75,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-head products ``y[b] = x[b] · w[b]^T`` for x [B, M, K], w [B, N, K] (any strides): few-row
     CUDA products through the Triton GEMV (written straight into ``out``, a [B, M, N] view, when
-    given), the rest through ``torch.matmul``. Returns [B, M, N] in x's dtype."""
+    given), the rest through ``torch.matmul``. Returns [B, M, N] in x's dtype. Raises ValueError for an
+    ``out`` of another shape or dtype (both paths)."""
     if use_gemv(x, w):
         from longflash.layers.gemv_triton import gemv_triton
         return gemv_triton(x, w, out)
     y = torch.matmul(x, w.transpose(-1, -2))
-    return y if out is None else out.copy_(y)
+    return y if out is None else _check_out(out, y).copy_(y)

@@ -91,11 +91,13 @@ class RotaryEmbedding(nn.Module):
             like HF's ``apply_rotary_pos_emb_interleave``; queries and keys share the layout, so
             their dot products equal the interleaved rotation's.
     Raises:
-        ValueError for a RoPE type other than default and yarn.
+        ValueError for a RoPE type other than default and yarn, or an odd or non-positive rotary_dim.
     """
 
     def __init__(self, rotary_dim: int, params: dict, max_position_embeddings: int, interleave: bool = False):
         super().__init__()
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be a positive even number (pairs of features rotate), got {rotary_dim}")
         base = float(params["rope_theta"])
         rope_type = params["rope_type"]
         if rope_type == "default":
@@ -147,7 +149,9 @@ class RotaryEmbedding(nn.Module):
         [T, heads, rotary_dim] with T = len(positions), when q and k differ in dtype or device, when a
         dtype is not floating point, when positions is not a 1-D integer tensor on their device, or when
         ``q_out`` is given without q or is not q's shape, dtype and device with a unit last-dim stride."""
-        if q_out is not None and (q is None or q_out.shape != q.shape or q_out.dtype != q.dtype or
+        if q_out is not None and q is None:
+            raise ValueError("q_out is given but q is None (q_out receives the rotated q)")
+        if q_out is not None and (q_out.shape != q.shape or q_out.dtype != q.dtype or
                                   q_out.device != q.device or q_out.stride(-1) != 1):
             raise ValueError("q_out must have q's shape, dtype and device and a unit last-dim stride, got "
                              f"{None if q_out is None else (tuple(q_out.shape), q_out.dtype, q_out.stride())}")

@@ -17,12 +17,12 @@ functions PyTorch's CUDA ``cos``/``sin`` use); the interpreter (no libdevice) us
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from longflash.ops.triton_env import interpreting
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def rotate_qk_triton(rotary, q: torch.Tensor | None, k: torch.Tensor | None, pos
     # a missing tensor's pointer and strides are never used (no program takes its branch)
     qa, qoa = (q3, qo3) if q is not None else (k3, ko3)
     ka, koa = (k3, ko3) if k is not None else (q3, qo3)
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1" or not x_any.is_cuda
+    interp = interpreting() or not x_any.is_cuda
     _rotary_qk_kernel[(T, n_blocks)](
         positions, rotary.inv_freq_on(positions.device), qa, ka, qoa, koa, Hq, Hk, n_q_blocks,
         qa.stride(0), qa.stride(1), ka.stride(0), ka.stride(1), qoa.stride(0), qoa.stride(1),

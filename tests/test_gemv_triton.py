@@ -289,7 +289,11 @@ def test_kernels_compile_for_sm90_with_pdl_without_a_gpu():
 
 
 def test_pdl_off_the_gpu_and_under_the_interpreter(monkeypatch):
-    from longflash.ops import triton_env
+    pytest.importorskip("triton")
+    from longflash.ops import triton_env, triton_pdl
+    assert triton_pdl.HAS_GDC  # Triton 3.6, the pinned release, has griddepcontrol
+    assert triton_pdl.launch_options(False) == {} and triton_pdl.launch_options(True) == {"launch_pdl": True}
+    assert not triton_pdl.pdl_for(torch.device("cpu"))
     assert not triton_env.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not triton_env.pdl_enabled(torch.device("cuda", 0))

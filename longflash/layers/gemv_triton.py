@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from longflash.ops.triton_env import interpreting, pdl_enabled
+from longflash.ops.triton_env import interpreting
+from longflash.ops.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_for
 
 MAX_ROWS = 8  # rows of x this kernel takes; more go to cuBLAS
 
@@ -153,8 +152,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     y3 = _as3(out)
     cfg = config or default_config(M, N, K)
     grid = (triton.cdiv(N, cfg.block_n), B)
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_for(x.device)
     _gemv_kernel[grid](x3, w3, y3, M, N, K, *x3.stride(), *w3.stride(), *y3.stride(),
                        BLOCK_M=block_m_of(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                       INTERPRET=interpreting(), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl)
+                       INTERPRET=interpreting(), PDL=pdl, num_warps=cfg.num_warps, **launch_options(pdl))
     return out

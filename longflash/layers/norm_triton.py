@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from longflash.ops.triton_env import pdl_enabled
+from longflash.ops.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_for
 
 
 @triton.jit
@@ -62,11 +61,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     if n:
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_ROWS = max(1, min(16, 4096 // BLOCK_D))
-        pdl = pdl_enabled(x.device)
+        pdl = pdl_for(x.device)
         _rms_norm_kernel[(triton.cdiv(n, BLOCK_ROWS),)](x2, weight, out, n, D, x2.stride(0), out.stride(0), float(eps),
                                                         r2, res_out, r2.stride(0), BLOCK_D=BLOCK_D,
                                                         BLOCK_ROWS=BLOCK_ROWS, HAS_RESIDUAL=residual is not None,
-                                                        PDL=pdl, num_warps=4 if BLOCK_D <= 2048 else 8, launch_pdl=pdl)
+                                                        PDL=pdl, num_warps=4 if BLOCK_D <= 2048 else 8,
+                                                        **launch_options(pdl))
     return out.view(x.shape), res_out.view(x.shape)
 
 

@@ -1,7 +1,7 @@
 """longflash: long-context MLA inference with DFlash speculative decoding."""
 
 from longflash.outputs import CompletionOutput, RequestOutput
-from longflash.sampling_params import SamplingParams
+from longflash.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -14,4 +14,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]

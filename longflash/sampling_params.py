@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -21,6 +22,17 @@ def default_max_tokens(n: int) -> int:
     """``n`` as a *default* ``max_tokens`` (e.g. a CLI's own default): capped at the room left in the
     context like the left-out 16, where an explicit value that does not fit is refused."""
     return _DefaultMaxTokens(n)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What ``LLMEngine.step`` returns for a request (vLLM's ``RequestOutputKind``): CUMULATIVE = after every
+    step that produced tokens, the text and token ids so far (the default; the server streams from it);
+    FINAL_ONLY = only when the request finishes (offline ``LLM.generate`` / ``LLM.chat``: a long output is
+    then not copied at every step). vLLM's DELTA is not implemented (``validate`` refuses it)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -61,6 +73,7 @@ class SamplingParams:
         allowed_token_ids: None, or a non-empty list of token ids: only these can be sampled (the other
             logits are -inf before everything else, as vLLM's allowed-token-ids mask); the engine refuses
             an id outside the vocabulary.
+        output_kind: :class:`RequestOutputKind`, CUMULATIVE (default) or FINAL_ONLY.
     The penalties follow vLLM's ``SamplingParams`` (and OpenAI's API for presence/frequency); the
     sampler applies them in vLLM's order (``runner/sampler.py``).
     Raises:
@@ -87,6 +100,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +130,9 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r} "
+                             "(DELTA is not supported)")
         for name in ("temperature", "top_p", "min_p"):
             if not _is_real(getattr(self, name)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")

@@ -147,3 +147,30 @@ def test_prompt_dict_keys_and_sampling_params_type(llm):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
         llm.generate("a", {"max_tokens": 2})
     assert llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=1))[0].outputs[0].token_ids
+
+
+def test_output_kind_final_only_and_cumulative():
+    """vLLM's ``RequestOutputKind``: a CUMULATIVE request (default) gets an output at every step that made
+    tokens, a FINAL_ONLY one only when it finishes, with the same final text and ids; DELTA is refused by
+    name; ``LLM.generate`` returns the same outputs as before (it asks for FINAL_ONLY internally and never
+    changes the caller's params)."""
+    from longflash import RequestOutputKind
+    llm = LLM(max_model_len=128, num_gpu_blocks=32, speculative_config="off")
+    eng = llm.engine
+    seen = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        rid = eng.add_request(None, "def f(x):", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                output_kind=kind))
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += [o for o in eng.step() if o.request_id == rid]
+        seen[kind] = outs
+    cum, fin = seen[RequestOutputKind.CUMULATIVE], seen[RequestOutputKind.FINAL_ONLY]
+    assert len(cum) == 6 and [len(o.outputs[0].token_ids) for o in cum] == [1, 2, 3, 4, 5, 6]
+    assert len(fin) == 1 and fin[0].finished
+    assert fin[0].outputs[0].token_ids == cum[-1].outputs[0].token_ids and fin[0].outputs[0].text == cum[-1].outputs[0].text
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert llm.generate(["def f(x):"], sp)[0].outputs[0].token_ids == cum[-1].outputs[0].token_ids
+    assert sp.output_kind == RequestOutputKind.CUMULATIVE
+    with pytest.raises(ValueError, match="DELTA is not supported"):
+        eng.add_request(None, "x", SamplingParams(output_kind=RequestOutputKind.DELTA))

@@ -22,7 +22,7 @@ from longflash.outputs import CompletionOutput, RequestOutput
 from longflash.runner.cuda_graph import prepare_uniform_model
 from longflash.runner.model_runner import ModelRunner
 from longflash.runner.sampler import compute_logprobs, needs_logits_processing, process_logits, sample_token
-from longflash.sampling_params import SamplingParams
+from longflash.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("longflash")
 
@@ -629,7 +629,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, (draft,) run the target once, sample or verify, update requests. Returns the
-        requests that produced tokens or finished (cumulative text and token ids)."""
+        requests that produced tokens or finished (cumulative text and token ids); a request whose
+        ``output_kind`` is FINAL_ONLY only when it finishes."""
         sched = self.scheduler.schedule(self._lookahead if self.proposer is not None else None)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         for seq in sched.preempted:
@@ -705,7 +706,8 @@ class LLMEngine:
                 self.abort_request(seq.request_id)
                 self.failed_requests.append((seq.request_id, e))
                 continue
-            outputs.append(self._output(seq))
+            if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(seq))
         if self.proposer is not None:
             self.runner.flush_draft_context(self.proposer, res)
         return outputs

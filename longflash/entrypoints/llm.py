@@ -17,7 +17,7 @@ from longflash.entrypoints.chat_request import render_chat, template_options
 from longflash.entrypoints.chat_utils import check_content_format
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids, merge_outputs
 from longflash.outputs import RequestOutput
-from longflash.sampling_params import SamplingParams
+from longflash.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
 
@@ -105,7 +105,9 @@ class LLM:
         groups: list[tuple[str, list[str]]] = []  # (request id, its engine requests' ids)
         try:
             for p, sp in zip(prompts, sampling_params):
-                children = child_params(sp)
+                # only the final output is read: FINAL_ONLY spares copying every output at every step (vLLM's
+                # LLM.generate does the same)
+                children = [dataclasses.replace(c, output_kind=RequestOutputKind.FINAL_ONLY) for c in child_params(sp)]
                 rid = self.engine.new_request_id()
                 groups.append((rid, []))
                 for cid, cp in zip(child_request_ids(rid, len(children)), children):

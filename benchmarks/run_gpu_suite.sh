@@ -41,6 +41,7 @@ run kda 160 python3 benchmarks/kda.py --out "$R"
 run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py tests/test_kda_chunked_triton.py -k "not interpreter and not sm90"
 run cuda_graph_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe_grouped.py tests/test_norm_triton.py tests/test_gemv_triton.py -k "(graph or gpu or sync) and not interpreter and not sm90"
 run gemv 100 python3 benchmarks/gemv.py --out "$R" --budget-s 60
+run launch_floor 60 python3 benchmarks/launch_floor.py --out "$R"
 run penalties_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_penalties.py -k gpu
 run e2e_decode 300 python3 benchmarks/e2e_decode.py --out "$R" --budget-s 280 --baselines cublas --repeat-default
 run long_context 210 python3 benchmarks/long_context.py --out "$R"

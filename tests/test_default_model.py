@@ -35,7 +35,7 @@ def test_engine_logits_equal_training_module_on_held_out_text(llm):
         assert rel <= 1e-4, rel
 
 
-@pytest.mark.parametrize("length", [512, 1024, 2048])
+@pytest.mark.parametrize("length", [512, 2048])  # 1024 lies between them (27 s of CI time)
 def test_passkey_retrieval_through_engine(llm, length):
     tok = llm.get_tokenizer()
     prompts, keys = [], []

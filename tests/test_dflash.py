@@ -69,7 +69,7 @@ def test_default_greedy_speculative_batch1_with_random_drafter(default_models, t
                      target_layer_ids=[1, 13])
     rand = LLM(speculative_config={"method": "dflash", "model": d}, max_num_seqs=1, max_num_batched_tokens=16,
                block_size=4)
-    prompts = _default_prompts(base, 20)
+    prompts = _default_prompts(base, 8)  # one request at a time, ~64 verify steps each: 8 keep it to ~25 s
     ref = _ids(base.generate(prompts, GREEDY64))
     outs = rand.generate(prompts, GREEDY64)
     assert _ids(outs) == ref

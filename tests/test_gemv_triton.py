@@ -36,7 +36,7 @@ def _cases(device="cpu", dtypes=(torch.float32, torch.float16)):
     for dt in dtypes:
         def cast(t):
             return t.to(device=device, dtype=dt)
-        for M, N, K in ((1, 37, 100), (2, 64, 256), (3, 130, 64), (5, 5, 33), (8, 257, 700), (1, 1, 1), (4, 300, 2048)):
+        for M, N, K in ((1, 37, 100), (2, 64, 256), (3, 130, 64), (5, 5, 33), (8, 67, 700), (1, 1, 1), (2, 40, 2048)):
             yield f"{dt}-nk-M{M}-N{N}-K{K}", cast(r(M, K)), cast(r(N, K)), None
         yield f"{dt}-kn", cast(r(2, 96)), cast(r(96, 80)).t(), None
         yield f"{dt}-x-strided", cast(r(3, 200))[:, 10:110], cast(r(48, 100)), None
@@ -89,10 +89,10 @@ def _interpreter_check() -> dict:
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 300, generator=g), torch.randn(70, 300, generator=g)
     tiles = {}
-    for bn, bk, nw in ((2, 128, 2), (4, 256, 4), (16, 64, 4), (8, 1024, 8)):
+    for bn, bk, nw in ((2, 128, 2), (16, 64, 4), (8, 1024, 8)):
         tiles[f"N{bn} K{bk} w{nw}"] = _error(x, w, gemv_triton(x, w, config=GemvConfig(bn, bk, nw)), gemv_ref(x, w))
     wkn = torch.randn(300, 70, generator=g).t()
-    for bn, bk, nw in ((32, 8, 2), (64, 16, 4), (256, 64, 8)):
+    for bn, bk, nw in ((32, 8, 2), (128, 64, 8)):
         tiles[f"kn N{bn} K{bk} w{nw}"] = _error(x, wkn, gemv_triton(x, wkn, config=GemvConfig(bn, bk, nw)),
                                                 gemv_ref(x, wkn))
     res["tiles"] = tiles

@@ -65,9 +65,9 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias) for x [..., K], w [N, K]: few-row CUDA products through the Triton GEMV,
     the rest through cuBLAS. Returns [..., N] in x's dtype."""
-    if x.dim() >= 2 and use_gemv(x.reshape(-1, x.shape[-1]), w):
+    x2 = x.reshape(-1, x.shape[-1])
+    if use_gemv(x2, w):
         from longflash.layers.gemv_triton import gemv_triton
-        x2 = x.reshape(-1, x.shape[-1])
         return gemv_triton(x2, w).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longflash.layers.gemv import DTYPES
 from longflash.ops.triton_env import interpreting
 from longflash.ops.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_for
 
@@ -135,8 +136,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     B, M, K = x3.shape
     if w3.shape[0] != B or w3.shape[2] != K:
         raise ValueError(f"w {tuple(w.shape)} does not match x {tuple(x.shape)} (batch and K)")
-    if w.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x and w must share a dtype of bf16 / fp16 / fp32, got {x.dtype} and {w.dtype}")
+    if w.dtype != x.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"x and w must share a dtype of {DTYPES}, got {x.dtype} and {w.dtype}")
     if M > MAX_ROWS:
         raise ValueError(f"gemv_triton takes at most {MAX_ROWS} rows of x, got {M}")
     N = w3.shape[1]

@@ -154,7 +154,7 @@ class RotaryEmbedding(nn.Module):
         if q_out is not None and (q_out.shape != q.shape or q_out.dtype != q.dtype or
                                   q_out.device != q.device or q_out.stride(-1) != 1):
             raise ValueError("q_out must have q's shape, dtype and device and a unit last-dim stride, got "
-                             f"{None if q_out is None else (tuple(q_out.shape), q_out.dtype, q_out.stride())}")
+                             f"{tuple(q_out.shape)} {q_out.dtype} strides {q_out.stride()}")
         xs = [(n, x) for n, x in (("q", q), ("k", k)) if x is not None]
         if not xs:
             raise ValueError("rotate_qk needs q or k (both are None)")

@@ -315,6 +315,32 @@ def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stri
         tl.store(lse_ptr + row, tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, tot)) + m_safe))
 
 
+# fp8 cache, <= 16 query rows, on a GPU that runs it: the Gluon stage 1 (``gluon_mla_decode``; BLOCK_N cache
+# rows per step, num_stages cp.async buffers, 4 warps). Where it cannot run (CPU interpreter, widths other
+# than 512 + 64, fp32 queries, no sm_89+) the Triton tile below takes its place.
+GLUON_FP8_CONFIG = {"GLUON": True, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "V_RELOAD": False,
+                    "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2}
+TRITON_FP8_CONFIG = {"GLUON": False, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
+                     "F16": True, "PREFETCH": False, "occupancy": 2}
+
+
+def gluon_eligible(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, query_rows: int) -> bool:
+    """Whether the Gluon fp8 stage 1 can take this call: an fp8 cache of 512 + 64-wide rows, bf16/fp16
+    queries, <= 16 query rows per request, a CUDA device of compute capability >= 8.9 (the fp8 -> fp16
+    conversion instruction), Triton with Gluon, and the interpreter off."""
+    if kv_cache.dtype != FP8_DTYPE or q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda:
+        return False
+    if interpreting() or kv_lora_rank != 512 or q.shape[-1] != 576 or query_rows > 16:
+        return False
+    if torch.cuda.get_device_capability(q.device) < (8, 9):
+        return False
+    try:
+        from longflash.attention import gluon_mla_decode  # noqa: F401
+    except ImportError:  # Triton without Gluon
+        return False
+    return True
+
+
 def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     """Tile shape for a batch whose largest request has ``max_query_rows`` = q_len · H query rows:
     BLOCK_M (query rows per program, >= 16 for ``tl.dot``), BLOCK_N (cache rows per step), num_warps,
@@ -336,8 +362,7 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     ``benchmarks/mla_decode.py`` times :func:`candidate_configs` against them."""
     fp8 = cache_dtype == FP8_DTYPE
     if max_query_rows <= 16 and fp8:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
-                "F16": True, "PREFETCH": False, "occupancy": 2}
+        return dict(GLUON_FP8_CONFIG)
     if max_query_rows <= 16:  # M16 N32 w4 s3: the B16/32K sweep's best in runs 3 and 4 (0.836 vs N64 s2 0.778)
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": False, "TRANS": False,
                 "F16": False, "PREFETCH": False, "occupancy": 2}
@@ -349,36 +374,28 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
 
 
 def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dict]:
-    """Tile configs that ``benchmarks/mla_decode.py`` times against each other (the default first, then
-    the second run's candidates: for <= 32 rows the run-2 default and the run-1 default next; for fp8
-    the fourth is the register-prefetch tile, the version-3 CVT_SMEM tiles last);
+    """Tile configs that ``benchmarks/mla_decode.py`` times against each other, the default first. fp8 with
+    <= 16 rows: Gluon tiles (BLOCK_N 16/32/64 cache rows, 2-4 cp.async buffers), then the Triton fp16-dot
+    tile they replace (``TRITON_FP8_CONFIG``, session 21's default) and its register-prefetch and
+    convert-once variants; bf16: the run-2 default and the session-21 candidates.
     ``benchmarks/mla_decode_sm90_report.py`` lists their sm_90 compile reports (registers, spills,
     shared memory, MMA kind, pipelined loads, loop instructions). ``occupancy`` = programs per SM that
-    registers and shared memory allow (from those reports). No duplicates."""
+    registers and shared memory allow (from those reports). No duplicates. (The register-capped and
+    8-warp Triton fp8 tiles that session 21 measured slower are described in ``benchmarks/NOTES.md``.)"""
     fp8 = cache_dtype == FP8_DTYPE
     d = default_config(max_query_rows, cache_dtype)
-    if max_query_rows <= 32:
+    if max_query_rows <= 16 and fp8:
+        g = GLUON_FP8_CONFIG
+        tr = TRITON_FP8_CONFIG
+        pre = dict(tr, num_warps=8, num_stages=1, V_RELOAD=False, PREFETCH=True, occupancy=1)
+        cvt = dict(tr, V_RELOAD=False, CVT_SMEM=True)
+        cands = [dict(g, num_stages=2), dict(g, num_stages=3), dict(g, BLOCK_N=16), dict(g, BLOCK_N=64, num_stages=2),
+                 dict(g, BLOCK_N=64, num_stages=3, occupancy=1), tr, pre, cvt]
+    elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
                     PREFETCH=False, occupancy=2)  # run 2's default
         if fp8:
-            pre = dict(base, num_warps=8, num_stages=1, V_RELOAD=False, F16=True, PREFETCH=True, occupancy=1)
-            # version 3: convert once after the pipelined loads (sm_90 report in benchmarks/NOTES.md);
-            # occupancy from shared memory (N32: 74-111 KB, two per SM; N64: 129-166 KB, one per SM)
-            cvt = dict(base, V_RELOAD=False, F16=True, CVT_SMEM=True)
-            # version 4 (session 21): the Nsight Compute profile of v2/v3 at B16/32K shows a latency-bound
-            # loop (issue slots 24-50 % busy, 0.3 eligible warps per scheduler, stalls on shared-memory
-            # and MMA dependencies) at 2 warps per scheduler, the occupancy that 248-255 registers and
-            # 72-92 KB of shared memory allow; a register cap lets 3 programs (s2) or 8-warp programs fit
-            # (sm_90 compile reports: w8 r128 128 registers, 24 B of spills, 89 KB; N64 w8 r128 508 B, 90 KB;
-            # s2 r168 352 B, 54 KB; cvt w8 r128 580 B; cvt s2 r168 996 B)
-            occ = [dict(d, num_warps=8, maxnreg=128, occupancy=2),
-                   dict(d, BLOCK_N=64, num_warps=8, num_stages=2, maxnreg=128, occupancy=2),
-                   dict(d, num_stages=2, maxnreg=168, occupancy=3), dict(cvt, num_warps=8, maxnreg=128, occupancy=2),
-                   dict(cvt, num_stages=2, maxnreg=168, occupancy=3)]
-            cands = [*occ, base, dict(base, num_warps=8), dict(base, F16=True), pre, dict(pre, BLOCK_N=64),
-                     dict(pre, num_warps=4, occupancy=2), cvt, dict(cvt, num_stages=4), dict(cvt, num_stages=2),
-                     dict(cvt, BLOCK_N=64, num_stages=2, occupancy=1), dict(cvt, BLOCK_N=64, num_stages=3, occupancy=1),
-                     dict(cvt, BLOCK_N=64, num_stages=2, num_warps=8, occupancy=1)]
+            cands = [base, dict(base, F16=True), dict(base, V_RELOAD=False, F16=True, CVT_SMEM=True)]
         else:
             t = dict(base, BLOCK_N=64, num_stages=2, TRANS=True, occupancy=1)
             # session 21: 8 warps under a 128-register cap, two programs per SM (sm_90: no spills, 93-94 KB)
@@ -535,6 +552,10 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
     cfg = dict(default_config(rows, torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype),
                **(config or {}))
+    use_gluon = bool(cfg.get("GLUON", False)) and gluon_eligible(q, kv_cache, R, max_query_len * H)
+    if cfg.get("GLUON", False) and not use_gluon:
+        cfg = dict(TRITON_FP8_CONFIG) if fp8 and q.dtype != torch.float32 else \
+            dict(default_config(rows, torch.bfloat16))
     BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
     groups = max(1, triton.cdiv(max_query_len * H, BLOCK_M))
     row_bytes = W * kv_cache.element_size()
@@ -556,14 +577,21 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                   **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not interp else {}))
     grid = (groups, S, B)
     qk_scale = float(scale) * ks * LOG2E
+    if use_gluon:
+        from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
+        stage1 = mla_decode_fp8_stage1
+        common = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, STAGES=cfg["num_stages"],
+                      HAS_VIS=visible_lens is not None, num_warps=4)
+    else:
+        stage1 = _mla_decode_stage1
     if S == 1:
-        _mla_decode_stage1[grid](q, src, bt, qsl, kvl, vis, out, lse, H, bt.stride(0), q.stride(0),
-                                 q.stride(1), out.stride(0), out.stride(1), 1, qk_scale, ks, SPLIT=False, **common)
+        stage1[grid](q, src, bt, qsl, kvl, vis, out, lse, H, bt.stride(0), q.stride(0),
+                     q.stride(1), out.stride(0), out.stride(1), 1, qk_scale, ks, SPLIT=False, **common)
         return out, lse
     part = torch.empty((T, H, S, BLOCK_R), dtype=torch.float32, device=q.device)
     plse = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
-    _mla_decode_stage1[grid](q, src, bt, qsl, kvl, vis, part, plse, H, bt.stride(0), q.stride(0),
-                             q.stride(1), out.stride(0), out.stride(1), S, qk_scale, ks, SPLIT=True, **common)
+    stage1[grid](q, src, bt, qsl, kvl, vis, part, plse, H, bt.stride(0), q.stride(0),
+                 q.stride(1), out.stride(0), out.stride(1), S, qk_scale, ks, SPLIT=True, **common)
     BLOCK_S = triton.next_power_of_2(S)
     BLOCK_C = min(BLOCK_R, max(16, 4096 // BLOCK_S))
     _mla_decode_stage2[(T * H, triton.cdiv(R, BLOCK_C))](part, plse, out, lse, H, S, out.stride(0), out.stride(1),

@@ -1,0 +1,288 @@
+"""Gluon (Triton's explicit-layout dialect) stage 1 of the paged MLA decode attention over an **fp8** cache,
+for up to 16 query rows per request (q_len · heads ≤ 16: DeepSeek-V3 / Kimi-K2 at 16 heads per GPU).
+Same inputs and results as the Triton kernel's stage 1 (:mod:`longflash.attention.triton_mla_decode`,
+which also provides stage 2, the split merge) and the PyTorch reference
+(:func:`longflash.attention.ops.mla_decode_attention`).
+
+Why a second kernel: the attention's value product ``P · V`` contracts over cache rows, but each row's
+bytes are contiguous along the latent dimension, and an MMA operand needs the contraction dimension
+packed in its registers. For 16-bit data ``ldmatrix.trans`` transposes on the way out of shared memory;
+8-bit data has no such instruction, so Triton assembles the fp8 value operand one byte per shared-memory
+load (``benchmarks/NOTES.md``, session 21: 37 % of the instructions, the fp8 kernel at 0.34-0.37 of copy
+bandwidth while the bf16 one reaches 0.94). Here the layouts are explicit:
+
+- the cache tile ``[BLOCK_N, 512 | 64]`` bytes is copied to shared memory with ``cp.async`` (``STAGES``
+  buffers) under an XOR swizzle that keeps both read patterns below free of bank conflicts;
+- scores ``S = q · Kᵀ``: ``mma.sync`` m16n8k16 in fp16 with operands of ``k_width`` 4 (each thread holds
+  4 consecutive contraction elements, a 4-byte shared-memory load of one cache row);
+- the value operand is read as 4 × 4 byte blocks (4 consecutive cache rows × 4 consecutive latent
+  dims, four 4-byte loads) through a *relabelled* view of the tile: logical value column n is latent
+  dim ``σ(n)`` (:func:`latent_dim_of_column`), chosen so that the MMA operand layout holds exactly those
+  blocks. The transposition then happens inside each thread (byte permutes), and the output columns
+  are written back through σ.
+
+Numerics are those of the Triton kernel's fp16 path (``F16``): q rows scaled by a power of two into
+fp16 range, fp8 values exact in fp16, fp32 accumulation, online softmax in base 2, P rounded to fp16.
+``k_scale`` is folded into the score scale and the output scale. Gluon kernels run only on the GPU
+(sm_89+: ``cvt.rn.f16x2.e4m3x2``); the CPU suite compiles them for sm_90 and the GPU tests compare them
+with the reference.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+R_DIM = 512   # kv_lora_rank this kernel is written for (DeepSeek-V3 / Kimi-K2)
+P_DIM = 64    # qk_rope_head_dim
+BLOCK_M = 16  # query rows per program
+NUM_WARPS = 4
+
+
+def latent_dim_of_column(n):
+    """σ: the latent dim that logical value column ``n`` (0..511) of the kernel's PV product reads
+    (a bit permutation: n bits 5-6 -> dim bits 0-1, n bits 0-4 -> dim bits 2-6, bits 7-8 kept).
+    Works on ints and on integer tensors."""
+    return ((n >> 5) & 3) | ((n & 31) << 2) | (n & 384)
+
+
+@gluon.constexpr_function
+def _swizzled_tile_layout(rows, width):
+    """Shared layout of one ``[rows, width]`` uint8 cache tile (allocated ``[STAGES, rows, width]``): 16-byte chunks of a row XOR-permuted by
+    the row, chunk ^= h(row) with h(1) = 1, h(2) = 2, h(4) = 4, h(8) = 2 for 512-byte rows (any 8
+    consecutive rows, or rows 4t + c for t = 0..3 in 32-byte spans, hit distinct banks), h(2) = 1,
+    h(4) = 2 for 64-byte rows (8 consecutive rows in 16-byte spans hit distinct banks)."""
+    bases = [[0, 1 << i] for i in range(4)]
+    chunks = width // 16
+    i = 1
+    while i < chunks:
+        bases.append([0, 16 * i])
+        i *= 2
+    if width == 512:
+        h = {1: 1, 2: 2, 4: 4, 8: 2}
+    else:
+        h = {2: 1, 4: 2}
+    r = 1
+    while r < rows:
+        bases.append([r, 16 * h.get(r, 0)])
+        r *= 2
+    return gl.SharedLinearLayout(bases)
+
+
+@gluon.constexpr_function
+def _value_load_layout(rows):
+    """Register layout of a ``[rows, 512]`` value tile in the relabelled (logical column) view: the MMA's
+    B-operand layout (m16n8k16, 4 warps along N, k_width 4) with its registers reordered so that each
+    thread's first four registers are four consecutive latent dims of one cache row (one 4-byte load)."""
+    reg = [[0, 32], [0, 64], [1, 0], [2, 0]]
+    k = 16
+    while k < rows:
+        reg.append([k, 0])
+        k *= 2
+    reg += [[0, 128], [0, 256]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+                                      warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[rows, 512])
+
+
+@gluon.jit
+def _e4m3_block_to_f16_pairs(v):
+    """fp8 E4M3 bytes -> fp16, a 4 x 4 byte block (4 cache rows x 4 latent dims: 16 consecutive registers of
+    the value load layout) per ``prmt`` + ``cvt`` group: four byte permutes pair each dim's bytes of rows
+    (0, 1) and (2, 3), eight ``cvt.rn.f16x2.e4m3x2`` convert the pairs. The result holds, at the element
+    of block position (row a, dim c), the value of (row c, dim a): the caller swaps those coordinates
+    back (:func:`_swap_block_coords`), which the layouts make a relabelling, not a data movement."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b32 t0, t1, t2, t3; .reg .b16 l, h;
+        prmt.b32 t0, $8, $9, 0x5140; prmt.b32 t1, $10, $11, 0x5140;
+        prmt.b32 t2, $8, $9, 0x7362; prmt.b32 t3, $10, $11, 0x7362;
+        mov.b32 {l, h}, t0; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $2, h;
+        mov.b32 {l, h}, t1; cvt.rn.f16x2.e4m3x2 $1, l; cvt.rn.f16x2.e4m3x2 $3, h;
+        mov.b32 {l, h}, t2; cvt.rn.f16x2.e4m3x2 $4, l; cvt.rn.f16x2.e4m3x2 $6, h;
+        mov.b32 {l, h}, t3; cvt.rn.f16x2.e4m3x2 $5, l; cvt.rn.f16x2.e4m3x2 $7, h; }""",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [v], dtype=gl.float16, is_pure=True, pack=16)
+
+
+@gluon.jit
+def _swap_block_coords(x, BLOCK_N: gl.constexpr):
+    """[BLOCK_N, 512] -> same shape with row bits 0-1 and column bits 5-6 exchanged (a relabelling)."""
+    x = gl.reshape(x, [BLOCK_N // 4, 4, 4, 4, 32])
+    x = gl.permute(x, (0, 3, 2, 1, 4))
+    return gl.reshape(x, [BLOCK_N, 512])
+
+
+@gluon.jit
+def _block_ids(bt_row, start, hi, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, L: gl.constexpr):
+    """Physical block of each cache row start .. start + BLOCK_N - 1 (0 past ``hi``), in layout ``L``."""
+    n = start + gl.arange(0, BLOCK_N, layout=L)
+    return gl.load(bt_row + n // BLOCK_SIZE, mask=n < hi, other=0)
+
+
+@gluon.jit
+def _copy_rows(smem, cache_ptr, blk, start, hi, COL0: gl.constexpr, WIDTH: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_SIZE: gl.constexpr, L: gl.constexpr):
+    """cp.async of bytes COL0 .. COL0 + WIDTH - 1 of cache rows start .. (physical blocks ``blk``; rows
+    >= hi zero-filled) into ``smem`` [BLOCK_N, WIDTH]."""
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+    row = (blk.to(gl.int64) * BLOCK_SIZE + n % BLOCK_SIZE) * 576 + COL0
+    c = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
+    async_copy.async_copy_global_to_shared(smem, cache_ptr + gl.expand_dims(row, 1) + gl.expand_dims(c, 0),
+                                           mask=gl.expand_dims(n < hi, 1) & gl.expand_dims(c < WIDTH, 0))
+
+
+@gluon.jit
+def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
+                          H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits, qk_scale, out_scale,
+                          BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                          HAS_VIS: gl.constexpr, SPLIT: gl.constexpr):
+    """Stage 1 over an fp8 (uint8-viewed) cache ``[num_blocks, BLOCK_SIZE, 576]``; grid (head-group,
+    kv-split, request), arguments as the Triton kernel's ``_mla_decode_stage1``; 4 warps. Writes the
+    split's partial ``[T, H, S, 512]`` fp32 output and LSE (SPLIT) or the final output in q's dtype and
+    LSE. Scores: warp w contracts latent dims 128w..128w+127 and rope dims 16w..16w+15 (a batched MMA,
+    q held in registers), the four partial score tiles are summed; values: the 4 warps split the 512
+    output columns."""
+    MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+    OPA3: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=4)
+    OPB3: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=4)
+    SL: gl.constexpr = gl.SliceLayout(0, MMA3)  # the summed scores [16, BLOCK_N]
+    ROWS: gl.constexpr = gl.SliceLayout(1, SL)
+    COLS: gl.constexpr = gl.SliceLayout(0, SL)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    OROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+    OCOLS: gl.constexpr = gl.SliceLayout(0, MMA)
+    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])   # one 512-byte row per warp
+    CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])    # eight 64-byte rows per warp
+    VL: gl.constexpr = _value_load_layout(BLOCK_N)
+    KN_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 512)
+    KP_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 64)
+
+    pid_g = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(qsl_ptr + b)
+    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    kv_len = gl.load(kvlen_ptr + b)
+
+    # q [16 rows, 576] as [4 warps, 16, 128] (latent) and [4, 16, 16] (rope) MMA operands, each row scaled by a
+    # power of two 2^e so that its max |q| lies in [2^13, 2^14) (fp16 range; the Triton kernel's F16 rule)
+    QROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, OPA3))
+    mq = pid_g * 16 + gl.arange(0, 16, layout=QROW)
+    okq = gl.expand_dims(gl.expand_dims(mq < q_len * H, 0), 2)
+    q_row = gl.expand_dims(gl.expand_dims(q_ptr + (q_start + mq // H).to(gl.int64) * stride_qt + (mq % H) * stride_qh, 0), 2)
+    wq = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, OPA3))), 1), 2)
+    dq = gl.expand_dims(gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, OPA3))), 0), 1)
+    pq = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, OPA3))), 0), 1)
+    q_n = gl.load(q_row + wq * 128 + dq, mask=okq, other=0.0).to(gl.float32)
+    q_p = gl.load(q_row + 512 + wq * 16 + pq, mask=okq, other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.max(gl.abs(q_n), axis=2), axis=0), gl.max(gl.max(gl.abs(q_p), axis=2), axis=0))
+    e = 127 + 13 - (((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127)
+    qs = gl.where(amax > 0, (gl.minimum(gl.maximum(e, 1), 254) << 23).to(gl.float32, bitcast=True), 1.0)
+    qs3 = gl.expand_dims(gl.expand_dims(qs, 0), 2)
+    q_n = (q_n * qs3).to(gl.float16)
+    q_p = (q_p * qs3).to(gl.float16)
+
+    kn_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], KN_SH)
+    kp_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], KP_SH)
+    # the swizzle leaves the copies in, the two score reads and the value read free of bank conflicts
+    kn0 = kn_smem.index(0)
+    kp0 = kp_smem.index(0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 512], CPN), kn0.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 64], CPP), kp0.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [4, 128, BLOCK_N], OPB3),
+                                       kn0.reshape([BLOCK_N, 4, 128]).permute((1, 2, 0)).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [4, 16, BLOCK_N], OPB3),
+                                       kp0.reshape([BLOCK_N, 4, 16]).permute((1, 2, 0)).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 512], VL), kn0.reshape(
+        [BLOCK_N, 4, 32, 4]).permute((0, 1, 3, 2)).reshape([BLOCK_N, 512]).type) == 0)
+
+    m_idx = pid_g * 16 + gl.arange(0, 16, layout=ROWS)
+    row_ok = m_idx < q_len * H
+    j = m_idx // H
+    if HAS_VIS:
+        vis = gl.load(vis_ptr + (q_start + j).to(gl.int64), mask=row_ok, other=0)
+    else:
+        vis = kv_len - q_len + j + 1
+    qsc = qk_scale / gl.convert_layout(qs, ROWS)  # exact: qs is a power of two
+
+    chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = gl.minimum(lo + chunk, kv_len)
+    hi = gl.where(pid_g * 16 < q_len * H, hi, lo)
+    num_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+
+    BTN: gl.constexpr = gl.SliceLayout(1, CPN)
+    BTP: gl.constexpr = gl.SliceLayout(1, CPP)
+    for st in gl.static_range(STAGES - 1):
+        start0 = lo + st * BLOCK_N
+        _copy_rows(kn_smem.index(st), cache_ptr, _block_ids(bt_row, start0, hi, BLOCK_N, BLOCK_SIZE, BTN), start0,
+                   hi, 0, 512, BLOCK_N, BLOCK_SIZE, CPN)
+        _copy_rows(kp_smem.index(st), cache_ptr, _block_ids(bt_row, start0, hi, BLOCK_N, BLOCK_SIZE, BTP), start0,
+                   hi, 512, 64, BLOCK_N, BLOCK_SIZE, CPP)
+        async_copy.commit_group()
+    # the block ids of the tile to copy next are loaded one iteration ahead (off the copy's critical path)
+    start_next = lo + (STAGES - 1) * BLOCK_N
+    blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
+    blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=ROWS)
+    l_i = gl.zeros([16], gl.float32, layout=ROWS)
+    acc = gl.zeros([16, 512], gl.float32, layout=MMA)
+    for i in range(0, num_tiles):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()  # tile i visible to all warps; every warp is done with tile i - 1's buffer
+        nxt = (i + STAGES - 1) % STAGES
+        _copy_rows(kn_smem.index(nxt), cache_ptr, blk_n, start_next, hi, 0, 512, BLOCK_N, BLOCK_SIZE, CPN)
+        _copy_rows(kp_smem.index(nxt), cache_ptr, blk_p, start_next, hi, 512, 64, BLOCK_N, BLOCK_SIZE, CPP)
+        async_copy.commit_group()
+        start_next = start_next + BLOCK_N
+        blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
+        blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
+        kn = kn_smem.index(i % STAGES)
+        kp = kp_smem.index(i % STAGES)
+        # scores: warp w's partial over its 128 latent + 16 rope dims, then the sum over warps
+        kt = kn.reshape([BLOCK_N, 4, 128]).permute((1, 2, 0)).load(OPB3)
+        s3 = mma_v2(q_n, kt.to(gl.float8e4nv, bitcast=True).to(gl.float16),
+                    gl.zeros([4, 16, BLOCK_N], gl.float32, layout=MMA3))
+        kpt = kp.reshape([BLOCK_N, 4, 16]).permute((1, 2, 0)).load(OPB3)
+        s3 = mma_v2(q_p, kpt.to(gl.float8e4nv, bitcast=True).to(gl.float16), s3)
+        s = gl.sum(s3, axis=0)
+        # online softmax (base 2)
+        n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
+        keep = gl.expand_dims(row_ok, 1) & gl.expand_dims(n < hi, 0) & (gl.expand_dims(n, 0) < gl.expand_dims(vis, 1))
+        s = gl.where(keep, s * gl.expand_dims(qsc, 1), float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        pr = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(pr, axis=1)
+        m_i = m_new
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, OROWS), 1)
+        pa = gl.convert_layout(pr.to(gl.float16), OPA)
+        # acc [16, 512 logical columns] += P · V; column n reads latent dim σ(n) (4 x 4 byte blocks per thread)
+        v = kn.reshape([BLOCK_N, 4, 32, 4]).permute((0, 1, 3, 2)).reshape([BLOCK_N, 512]).load(VL)
+        vb = gl.convert_layout(_swap_block_coords(_e4m3_block_to_f16_pairs(v), BLOCK_N), OPB)
+        acc = mma_v2(pa, vb, acc)
+    async_copy.wait_group(0)
+
+    seen = l_i > 0
+    inv = gl.convert_layout(gl.where(seen, out_scale / gl.where(seen, l_i, 1.0), 0.0), OROWS)
+    o = acc * gl.expand_dims(inv, 1)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tok = (q_start + j).to(gl.int64)
+    h = m_idx % H
+    nc = gl.arange(0, 512, layout=OCOLS)
+    col = gl.expand_dims(((nc >> 5) & 3) | ((nc & 31) << 2) | (nc & 384), 0)  # latent_dim_of_column
+    mo = pid_g * 16 + gl.arange(0, 16, layout=OROWS)
+    ok_o = gl.expand_dims(mo < q_len * H, 1) & (col < 512)
+    tok_o = (q_start + mo // H).to(gl.int64)
+    if SPLIT:  # partials [T, H, S, 512] fp32 and [T, H, S]
+        prow = (tok_o * H + mo % H) * num_splits + pid_s
+        gl.store(out_ptr + gl.expand_dims(prow, 1) * 512 + col, o, mask=ok_o)
+        gl.store(lse_ptr + (tok * H + h) * num_splits + pid_s, lse, mask=row_ok)
+    else:
+        optr = out_ptr + gl.expand_dims(tok_o * stride_ot + (mo % H) * stride_oh, 1) + col
+        gl.store(optr, o.to(out_ptr.dtype.element_ty), mask=ok_o)
+        gl.store(lse_ptr + tok * H + h, lse, mask=row_ok)

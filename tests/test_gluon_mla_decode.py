@@ -1,0 +1,158 @@
+"""The Gluon fp8 MLA decode stage 1 (``attention/gluon_mla_decode.py``), reached through
+``triton_mla_decode.mla_decode_attention`` for an fp8 cache and <= 16 query rows, equals the PyTorch
+reference ``ops.mla_decode_attention``.
+
+CPU (no GPU needed): the value-column relabelling σ is a permutation of the 512 latent dims; the kernel
+compiles for sm_90 in each variant the wrapper launches (split / unsplit output, DCP visible lengths,
+bf16 / fp16 queries, the benchmark's tile shapes), with its compile-time checks that the three
+shared-memory access patterns have no bank conflicts; calls the Gluon kernel cannot take (interpreter,
+fp32 queries, other widths) fall back to the Triton kernel.
+GPU (skipped without CUDA): real shapes against the reference (fp8 cache, k_scale ≠ 1), lengths not a
+multiple of the tile, empty requests, forced split counts, block sizes 16 and 64, 1-16 heads with q_len
+up to 16 rows, a q row of magnitude 1e4 (fp16 range), DCP-local visible lengths, every benchmark tile;
+and the Triton fp16-dot tile's result, which does the same arithmetic in another order.
+Bounds as in ``test_triton_mla_decode.py`` (fp8 values are exact in fp16, q is rounded to fp16 after a
+power-of-two scale, P to fp16): ‖out − ref‖/‖ref‖ ≤ 1e-2, LSE within 1e-3 relative.
+"""
+
+import pytest
+import torch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_latent_dim_of_column_is_a_permutation():
+    from longflash.attention.gluon_mla_decode import latent_dim_of_column
+    n = torch.arange(512)
+    d = latent_dim_of_column(n)
+    assert sorted(d.tolist()) == list(range(512))
+    # warp w's columns n = 8w.. (bits 3-4) read dims with bits 5-6 = w; a thread's 4 register columns
+    # n, n+32, n+64, n+96 read 4 consecutive dims
+    assert [latent_dim_of_column(c) for c in (0, 32, 64, 96)] == [0, 1, 2, 3]
+    assert latent_dim_of_column(8) == 32 and latent_dim_of_column(1) == 4
+
+
+def _compile_sm90(block_n=32, stages=4, split=True, has_vis=False, qdt="bf16", block_size=16):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from longflash.attention import gluon_mla_decode as g
+    sig = {"q_ptr": f"*{qdt}", "cache_ptr": "*u8", "bt_ptr": "*i32", "qsl_ptr": "*i32", "kvlen_ptr": "*i32",
+           "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{qdt}", "lse_ptr": "*fp32", "H": "i32",
+           "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+           "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32"}
+    const = dict(BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split)
+    for k in const:
+        sig[k] = "constexpr"
+    names = list(sig)
+    div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr", "H",
+           "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
+    src = GluonASTSource(fn=g.mla_decode_fp8_stage1, signature=sig,
+                         constexprs={(names.index(k),): v for k, v in const.items()},
+                         attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(split=False, qdt="fp16", has_vis=True),
+                                dict(block_n=64, stages=2, block_size=64), dict(block_n=16, stages=3)])
+def test_compiles_for_sm90(kw):
+    """The kernel compiles for sm_90 (its static asserts: no bank conflicts on the three shared-memory
+    patterns); the value operand is built from 4-byte shared loads + byte permutes (no byte loads), the
+    scores and values run on mma.sync, and nothing spills."""
+    import re
+    k = _compile_sm90(**kw)
+    ptx = k.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "cp.async" in ptx and "prmt.b32 t0" in ptx
+    assert not re.search(r"ld\.shared\.(u8|b8|s8)", ptx)
+    assert ".local" not in ptx  # no spills to local memory
+
+
+def test_fallback_where_gluon_cannot_run():
+    """Under the CPU interpreter (and for fp32 queries or other widths) the default fp8 config, which asks
+    for Gluon, runs the Triton kernel instead: checked by the interpreter tests of
+    ``test_triton_mla_decode.py``; here, the eligibility rule itself."""
+    from longflash.attention import triton_mla_decode as tk
+    from longflash.attention.ops import FP8_DTYPE
+    assert tk.default_config(16, FP8_DTYPE)["GLUON"] and not tk.TRITON_FP8_CONFIG["GLUON"]
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 576, dtype=FP8_DTYPE)
+    assert not tk.gluon_eligible(q, cache, 512, 16)  # CPU tensors
+    assert all(not c.get("GLUON") for c in tk.candidate_configs(128, FP8_DTYPE))
+
+
+def _gpu_case(H, seq, ql, ks, bs=16, seed=0, qdt=torch.bfloat16):
+    from longflash.attention import ops
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nb = sum(-(-L // bs) for L in seq) + 8
+    cache = ops.quantize_to_cache(torch.randn(nb, bs, 576, device="cuda", generator=g), torch.float8_e4m3fn, ks)
+    perm = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
+    bt = torch.full((len(seq), max(1, max(-(-L // bs) for L in seq))), -1, dtype=torch.int32, device="cuda")
+    i = 0
+    for b, L in enumerate(seq):
+        n = -(-L // bs)
+        bt[b, :n] = perm[i:i + n]
+        i += n
+    qsl = [0]
+    for n in ql:
+        qsl.append(qsl[-1] + n)
+    q = (torch.randn(qsl[-1], H, 576, device="cuda", generator=g) * 0.5).to(qdt)
+    return q, cache, bt, qsl
+
+
+def _check(out, lse, ro, rl):
+    empty = rl.isinf()
+    assert torch.equal(lse.isinf(), empty) and bool((out[empty] == 0).all())
+    assert not bool(out.isnan().any() or lse.isnan().any())
+    rel = ((out.float() - ro).norm() / ro.norm()).item()
+    assert rel <= 1e-2, rel
+    lse_err = ((lse - rl).abs() / rl.abs().clamp_min(1.0)).masked_fill(empty, 0)
+    assert lse_err.max().item() <= 1e-3
+
+
+@cuda
+@pytest.mark.parametrize("H,seq,ql,bs,qdt", [
+    (16, [4096 + 13, 70000, 1, 0, 777], [1] * 5, 16, torch.bfloat16),
+    (16, [33, 20000, 5], [1, 1, 1], 64, torch.float16),
+    (8, [5000, 2, 300], [2, 2, 1], 16, torch.bfloat16),   # 16 rows: 2 tokens x 8 heads, causal among them
+    (4, [3000, 4, 0], [4, 4, 1], 16, torch.bfloat16),     # 16 rows, a query that precedes its cache row
+    (1, [129, 7000], [1, 16], 16, torch.bfloat16),
+])
+def test_gpu_matches_reference(H, seq, ql, bs, qdt):
+    from longflash.attention import ops
+    from longflash.attention import triton_mla_decode as tk
+    q, cache, bt, qsl = _gpu_case(H, seq, ql, 0.05, bs, qdt=qdt)
+    q[0, 0] *= 1e4  # fp16 overflow without the per-row power-of-two scale
+    assert tk.gluon_eligible(q, cache, 512, max(ql) * H)
+    ro, rl = ops.mla_decode_attention(q.float(), cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05)
+    for S in (None, 1, 7):
+        out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05, num_splits=S)
+        _check(out, lse, ro, rl)
+    # the Triton fp16-dot tile: the same arithmetic in another order
+    o2, l2 = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05, config=tk.TRITON_FP8_CONFIG)
+    assert ((out.float() - o2.float()).norm() / o2.float().norm()).item() <= 2e-3
+
+
+@cuda
+@pytest.mark.parametrize("cfg", [c for c in __import__("longflash.attention.triton_mla_decode", fromlist=["x"])
+                                 .candidate_configs(16, torch.float8_e4m3fn) if c.get("GLUON")])
+def test_gpu_every_benchmark_tile(cfg):
+    from longflash.attention import ops
+    from longflash.attention import triton_mla_decode as tk
+    seq = [4096 + 13, 20000, 1, 0, 777]
+    q, cache, bt, qsl = _gpu_case(16, seq, [1] * 5, 0.3, seed=1)
+    ro, rl = ops.mla_decode_attention(q.float(), cache, bt, qsl, seq, 576 ** -0.5, 512, 0.3)
+    out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.3, config=cfg)
+    _check(out, lse, ro, rl)
+
+
+@cuda
+def test_gpu_dcp_local_visible_lengths():
+    from longflash.attention import triton_mla_decode as tk
+    from longflash.distributed import dcp
+    seq = [3000, 17, 9000]
+    q, cache, bt, qsl = _gpu_case(16, [-(-L // 2) + 16 for L in seq], [1, 1, 1], 0.05)
+    for rank in (0, 1):
+        out, lse = tk.mla_decode_attention_dcp_local(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 2, rank, 1, 0.05)
+        ro, rl = dcp.mla_decode_attention_local(q.float(), cache, bt, qsl, seq, 576 ** -0.5, 512, 2, rank, 1, 0.05)
+        _check(out, lse, ro, rl)

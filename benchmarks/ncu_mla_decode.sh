@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 CASES=${CASES:-"fp8:default fp8:cvt bf16:default"}
 for case in $CASES; do
   set -- ${case/:/ }; name=${1}_$2
-  timeout 150 "$NCU" --clock-control none --set full --import-source no -k regex:_mla_decode_stage1 \
+  timeout 150 "$NCU" --clock-control none --set full --import-source no -k regex:stage1 \
     --launch-skip 2 --launch-count 1 -f -o "$D/$name" \
     python3 benchmarks/ncu_mla_decode.py --dtype "$1" --config "$2" > "$D/$name.log" 2>&1
   echo "=== $name rc=$?"; tail -3 "$D/$name.log"

@@ -54,7 +54,7 @@ def _compile_sm90(block_n=32, stages=4, split=True, has_vis=False, qdt="bf16", b
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(split=False, qdt="fp16", has_vis=True),
-                                dict(block_n=64, stages=2, block_size=64), dict(block_n=16, stages=3)])
+                                dict(block_n=64, stages=2, block_size=64), dict(stages=3, block_size=1)])
 def test_compiles_for_sm90(kw):
     """The kernel compiles for sm_90 (its static asserts: no bank conflicts on the three shared-memory
     patterns); the value operand is built from 4-byte shared loads + byte permutes (no byte loads), the

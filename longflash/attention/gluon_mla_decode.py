@@ -85,6 +85,40 @@ def _value_load_layout(rows):
                                       warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[rows, 512])
 
 
+@gluon.constexpr_function
+def _exchange_layout(parts, rows, cols, elem_bytes, unit_bytes, f):
+    """Shared layout of a ``[parts, rows, cols]`` exchange buffer (``parts`` 1 drops that dim): ``unit_bytes``
+    chunks of a row XOR-permuted by the row, unit ^= f(row) (``f`` gives f(1), f(2), f(4), ...), so the
+    register layouts that store and load it hit distinct banks (checked by ``gl.bank_conflicts``)."""
+    rank3 = parts > 1
+    def basis(p, r, c):
+        return [p, r, c] if rank3 else [r, c]
+    per_unit = unit_bytes // elem_bytes
+    bases = []
+    e = 1
+    while e < cols:
+        bases.append(basis(0, 0, e))
+        e *= 2
+    for i, r in enumerate([1 << k for k in range((rows - 1).bit_length())]):
+        bases.append(basis(0, r, per_unit * (f[i] if i < len(f) else 0)))
+    p = 1
+    while p < parts:
+        bases.append(basis(p, 0, 0))
+        p *= 2
+    return gl.SharedLinearLayout(bases)
+
+
+@gluon.constexpr_function
+def _with_parts_in_registers(ll, parts):
+    """``ll`` (a [rows, cols] DistributedLinearLayout) with a leading dim of ``parts`` held in registers."""
+    def z(b):
+        return [0] + list(b)
+    reg = [[1 << i, 0, 0] for i in range(parts.bit_length() - 1)] + [z(b) for b in ll.reg_bases]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[z(b) for b in ll.lane_bases],
+                                      warp_bases=[z(b) for b in ll.warp_bases], block_bases=[],
+                                      shape=[parts] + list(ll.shape))
+
+
 @gluon.jit
 def _e4m3_block_to_f16_pairs(v):
     """fp8 E4M3 bytes -> fp16, a 4 x 4 byte block (4 cache rows x 4 latent dims: 16 consecutive registers of
@@ -141,17 +175,19 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     LSE. Scores: warp w contracts latent dims 128w..128w+127 and rope dims 16w..16w+15 (a batched MMA,
     q held in registers), the four partial score tiles are summed; values: the 4 warps split the 512
     output columns."""
+    gl.static_assert((BLOCK_N == 32) | (BLOCK_N == 64), "BLOCK_N must be 32 or 64")
     MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     OPA3: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=4)
     OPB3: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=4)
-    SL: gl.constexpr = gl.SliceLayout(0, MMA3)  # the summed scores [16, BLOCK_N]
-    ROWS: gl.constexpr = gl.SliceLayout(1, SL)
-    COLS: gl.constexpr = gl.SliceLayout(0, SL)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    # the four partial score tiles, each thread holding its 4 scores (of the MMA layout) from all four
+    PARTS: gl.constexpr = _with_parts_in_registers(gl.to_linear_layout(MMA, [16, BLOCK_N]), 4)
+    RED_SH: gl.constexpr = _exchange_layout(4, 16, BLOCK_N, 4, 32, [1, 2])
+    P_SH: gl.constexpr = _exchange_layout(1, 16, BLOCK_N, 2, 16, [0, 2, 1] if BLOCK_N == 32 else [2, 4, 1])
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
-    OROWS: gl.constexpr = gl.SliceLayout(1, MMA)
-    OCOLS: gl.constexpr = gl.SliceLayout(0, MMA)
+    ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+    COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     CPN: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])   # one 512-byte row per warp
     CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])    # eight 64-byte rows per warp
     VL: gl.constexpr = _value_load_layout(BLOCK_N)
@@ -196,6 +232,12 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
                                        kp0.reshape([BLOCK_N, 4, 16]).permute((1, 2, 0)).type) == 0)
     gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 512], VL), kn0.reshape(
         [BLOCK_N, 4, 32, 4]).permute((0, 1, 3, 2)).reshape([BLOCK_N, 512]).type) == 0)
+    red_smem = gl.allocate_shared_memory(gl.float32, [4, 16, BLOCK_N], RED_SH)
+    p_smem = gl.allocate_shared_memory(gl.float16, [16, BLOCK_N], P_SH)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float32, [4, 16, BLOCK_N], MMA3), red_smem.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float32, [4, 16, BLOCK_N], PARTS), red_smem.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float16, [16, BLOCK_N], MMA), p_smem.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float16, [16, BLOCK_N], OPA), p_smem.type) == 0)
 
     m_idx = pid_g * 16 + gl.arange(0, 16, layout=ROWS)
     row_ok = m_idx < q_len * H
@@ -228,7 +270,7 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
 
     m_i = gl.full([16], float("-inf"), gl.float32, layout=ROWS)
-    l_i = gl.zeros([16], gl.float32, layout=ROWS)
+    l_acc = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)  # running softmax sums per score slot (summed at the end)
     acc = gl.zeros([16, 512], gl.float32, layout=MMA)
     for i in range(0, num_tiles):
         async_copy.wait_group(STAGES - 2)
@@ -248,7 +290,10 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
                     gl.zeros([4, 16, BLOCK_N], gl.float32, layout=MMA3))
         kpt = kp.reshape([BLOCK_N, 4, 16]).permute((1, 2, 0)).load(OPB3)
         s3 = mma_v2(q_p, kpt.to(gl.float8e4nv, bitcast=True).to(gl.float16), s3)
-        s = gl.sum(s3, axis=0)
+        # the sum of the four partial tiles, each warp summing its quarter of the columns
+        red_smem.store(s3)
+        gl.thread_barrier()
+        s = gl.convert_layout(gl.sum(red_smem.load(PARTS), axis=0), MMA, assert_trivial=True)
         # online softmax (base 2)
         n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
         keep = gl.expand_dims(row_ok, 1) & gl.expand_dims(n < hi, 0) & (gl.expand_dims(n, 0) < gl.expand_dims(vis, 1))
@@ -257,25 +302,29 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         pr = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(pr, axis=1)
+        l_acc = l_acc * gl.expand_dims(alpha, 1) + pr
         m_i = m_new
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, OROWS), 1)
-        pa = gl.convert_layout(pr.to(gl.float16), OPA)
+        if gl.min(alpha, axis=0) < 1.0:  # a row's max grew: rescale (x 1.0 elsewhere would change nothing)
+            acc = acc * gl.expand_dims(alpha, 1)
+        p_smem.store(pr.to(gl.float16))
+        gl.thread_barrier()
+        pa = p_smem.load(OPA)
         # acc [16, 512 logical columns] += P · V; column n reads latent dim σ(n) (4 x 4 byte blocks per thread)
         v = kn.reshape([BLOCK_N, 4, 32, 4]).permute((0, 1, 3, 2)).reshape([BLOCK_N, 512]).load(VL)
         vb = gl.convert_layout(_swap_block_coords(_e4m3_block_to_f16_pairs(v), BLOCK_N), OPB)
         acc = mma_v2(pa, vb, acc)
     async_copy.wait_group(0)
 
+    l_i = gl.sum(l_acc, axis=1)
     seen = l_i > 0
-    inv = gl.convert_layout(gl.where(seen, out_scale / gl.where(seen, l_i, 1.0), 0.0), OROWS)
+    inv = gl.where(seen, out_scale / gl.where(seen, l_i, 1.0), 0.0)
     o = acc * gl.expand_dims(inv, 1)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tok = (q_start + j).to(gl.int64)
     h = m_idx % H
-    nc = gl.arange(0, 512, layout=OCOLS)
+    nc = gl.arange(0, 512, layout=COLS)
     col = gl.expand_dims(((nc >> 5) & 3) | ((nc & 31) << 2) | (nc & 384), 0)  # latent_dim_of_column
-    mo = pid_g * 16 + gl.arange(0, 16, layout=OROWS)
+    mo = pid_g * 16 + gl.arange(0, 16, layout=ROWS)
     ok_o = gl.expand_dims(mo < q_len * H, 1) & (col < 512)
     tok_o = (q_start + mo // H).to(gl.int64)
     if SPLIT:  # partials [T, H, S, 512] fp32 and [T, H, S]

@@ -375,7 +375,7 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
 
 def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dict]:
     """Tile configs that ``benchmarks/mla_decode.py`` times against each other, the default first. fp8 with
-    <= 16 rows: Gluon tiles (BLOCK_N 16/32/64 cache rows, 2-4 cp.async buffers), then the Triton fp16-dot
+    <= 16 rows: Gluon tiles (BLOCK_N 32/64 cache rows, 2-4 cp.async buffers), then the Triton fp16-dot
     tile they replace (``TRITON_FP8_CONFIG``, session 21's default) and its register-prefetch and
     convert-once variants; bf16: the run-2 default and the session-21 candidates.
     ``benchmarks/mla_decode_sm90_report.py`` lists their sm_90 compile reports (registers, spills,
@@ -389,7 +389,7 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
         tr = TRITON_FP8_CONFIG
         pre = dict(tr, num_warps=8, num_stages=1, V_RELOAD=False, PREFETCH=True, occupancy=1)
         cvt = dict(tr, V_RELOAD=False, CVT_SMEM=True)
-        cands = [dict(g, num_stages=2), dict(g, num_stages=3), dict(g, BLOCK_N=16), dict(g, BLOCK_N=64, num_stages=2),
+        cands = [dict(g, num_stages=2), dict(g, num_stages=3), dict(g, BLOCK_N=64, num_stages=2),
                  dict(g, BLOCK_N=64, num_stages=3, occupancy=1), tr, pre, cvt]
     elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,

@@ -49,20 +49,20 @@ def latent_dim_of_column(n):
 
 @gluon.constexpr_function
 def _swizzled_tile_layout(rows, width):
-    """Shared layout of one ``[rows, width]`` uint8 cache tile (allocated ``[STAGES, rows, width]``): 16-byte chunks of a row XOR-permuted by
-    the row, chunk ^= h(row) with h(1) = 1, h(2) = 2, h(4) = 4, h(8) = 2 for 512-byte rows (any 8
-    consecutive rows, or rows 4t + c for t = 0..3 in 32-byte spans, hit distinct banks), h(2) = 1,
-    h(4) = 2 for 64-byte rows (8 consecutive rows in 16-byte spans hit distinct banks)."""
+    """Shared layout of one ``[rows, width]`` uint8 cache tile (allocated ``[STAGES, rows, width]``): 16-byte
+    chunks of a row XOR-permuted by the row, chunk ^= h(row), h linear over the row bits. h is chosen so
+    that every access pattern of the kernel touches distinct banks per wavefront (asserted at compile time
+    with ``gl.bank_conflicts``): the cp.async writes (rows x 16-byte chunks per thread group), the score
+    reads (8 consecutive rows x 16 bytes), the value reads (rows 4t + c, t = 0..3, x 32 bytes)."""
+    if width == 512:
+        h = {1: 4, 2: 1, 4: 2, 8: 4} if rows == 32 else {1: 2, 2: 4, 4: 3, 8: 4}
+    else:
+        h = {2: 2, 4: 1}
     bases = [[0, 1 << i] for i in range(4)]
-    chunks = width // 16
     i = 1
-    while i < chunks:
+    while i < width // 16:
         bases.append([0, 16 * i])
         i *= 2
-    if width == 512:
-        h = {1: 1, 2: 2, 4: 4, 8: 2}
-    else:
-        h = {2: 1, 4: 2}
     r = 1
     while r < rows:
         bases.append([r, 16 * h.get(r, 0)])
@@ -188,8 +188,10 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
-    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])   # one 512-byte row per warp
-    CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])    # eight 64-byte rows per warp
+    # cp.async layouts: one cache row per thread group (BLOCK_N / 4 rows per warp), so a thread computes one
+    # row address per tile; 16-byte chunks
+    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [BLOCK_N // 4, 128 // BLOCK_N], [4, 1], [1, 0])
+    CPP: gl.constexpr = gl.BlockedLayout([1, 16], [BLOCK_N // 4, 128 // BLOCK_N], [4, 1], [1, 0])
     VL: gl.constexpr = _value_load_layout(BLOCK_N)
     KN_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 512)
     KP_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 64)
@@ -267,7 +269,6 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     # the block ids of the tile to copy next are loaded one iteration ahead (off the copy's critical path)
     start_next = lo + (STAGES - 1) * BLOCK_N
     blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
-    blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
 
     m_i = gl.full([16], float("-inf"), gl.float32, layout=ROWS)
     l_acc = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)  # running softmax sums per score slot (summed at the end)
@@ -277,11 +278,11 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
         gl.thread_barrier()  # tile i visible to all warps; every warp is done with tile i - 1's buffer
         nxt = (i + STAGES - 1) % STAGES
         _copy_rows(kn_smem.index(nxt), cache_ptr, blk_n, start_next, hi, 0, 512, BLOCK_N, BLOCK_SIZE, CPN)
-        _copy_rows(kp_smem.index(nxt), cache_ptr, blk_p, start_next, hi, 512, 64, BLOCK_N, BLOCK_SIZE, CPP)
+        _copy_rows(kp_smem.index(nxt), cache_ptr, gl.convert_layout(blk_n, BTP, assert_trivial=True), start_next, hi,
+                   512, 64, BLOCK_N, BLOCK_SIZE, CPP)
         async_copy.commit_group()
         start_next = start_next + BLOCK_N
         blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
-        blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
         kn = kn_smem.index(i % STAGES)
         kp = kp_smem.index(i % STAGES)
         # scores: warp w's partial over its 128 latent + 16 rope dims, then the sum over warps

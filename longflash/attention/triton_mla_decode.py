@@ -389,7 +389,9 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
         tr = TRITON_FP8_CONFIG
         pre = dict(tr, num_warps=8, num_stages=1, V_RELOAD=False, PREFETCH=True, occupancy=1)
         cvt = dict(tr, V_RELOAD=False, CVT_SMEM=True)
-        cands = [dict(g, num_stages=2), dict(g, num_stages=3), dict(g, BLOCK_N=64, num_stages=2),
+        # maxnreg 168: three programs per SM (sm_90 compile: 168 registers, no spills; 204 without the cap)
+        cands = [dict(g, num_stages=2), dict(g, num_stages=3), dict(g, num_stages=2, maxnreg=168, occupancy=3),
+                 dict(g, num_stages=3, maxnreg=168, occupancy=3), dict(g, BLOCK_N=64, num_stages=2),
                  dict(g, BLOCK_N=64, num_stages=3, occupancy=1), tr, pre, cvt]
     elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
@@ -581,7 +583,8 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
         stage1 = mla_decode_fp8_stage1
         common = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, STAGES=cfg["num_stages"],
-                      HAS_VIS=visible_lens is not None, num_warps=4)
+                      HAS_VIS=visible_lens is not None, num_warps=4,
+                      **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
     else:
         stage1 = _mla_decode_stage1
     if S == 1:

@@ -188,10 +188,11 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
-    # cp.async layouts: one cache row per thread group (BLOCK_N / 4 rows per warp), so a thread computes one
-    # row address per tile; 16-byte chunks
-    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [BLOCK_N // 4, 128 // BLOCK_N], [4, 1], [1, 0])
-    CPP: gl.constexpr = gl.BlockedLayout([1, 16], [BLOCK_N // 4, 128 // BLOCK_N], [4, 1], [1, 0])
+    # cp.async layouts, 16-byte chunks: a warp copies 2 rows x 256 bytes (latent) or 8 rows x 64 bytes (rope)
+    # per instruction, so each group of 8 lanes writes 128 contiguous bytes (no bank conflicts whatever the
+    # swizzle) and a thread computes BLOCK_N / 8 (BLOCK_N / 32) row addresses per tile
+    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
+    CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     VL: gl.constexpr = _value_load_layout(BLOCK_N)
     KN_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 512)
     KP_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 64)
@@ -269,6 +270,7 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     # the block ids of the tile to copy next are loaded one iteration ahead (off the copy's critical path)
     start_next = lo + (STAGES - 1) * BLOCK_N
     blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
+    blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
 
     m_i = gl.full([16], float("-inf"), gl.float32, layout=ROWS)
     l_acc = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)  # running softmax sums per score slot (summed at the end)
@@ -278,11 +280,11 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
         gl.thread_barrier()  # tile i visible to all warps; every warp is done with tile i - 1's buffer
         nxt = (i + STAGES - 1) % STAGES
         _copy_rows(kn_smem.index(nxt), cache_ptr, blk_n, start_next, hi, 0, 512, BLOCK_N, BLOCK_SIZE, CPN)
-        _copy_rows(kp_smem.index(nxt), cache_ptr, gl.convert_layout(blk_n, BTP, assert_trivial=True), start_next, hi,
-                   512, 64, BLOCK_N, BLOCK_SIZE, CPP)
+        _copy_rows(kp_smem.index(nxt), cache_ptr, blk_p, start_next, hi, 512, 64, BLOCK_N, BLOCK_SIZE, CPP)
         async_copy.commit_group()
         start_next = start_next + BLOCK_N
         blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
+        blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
         kn = kn_smem.index(i % STAGES)
         kp = kp_smem.index(i % STAGES)
         # scores: warp w's partial over its 128 latent + 16 rope dims, then the sum over warps

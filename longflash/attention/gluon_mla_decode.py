@@ -165,10 +165,21 @@ def _copy_rows(smem, cache_ptr, blk, start, hi, COL0: gl.constexpr, WIDTH: gl.co
 
 
 @gluon.jit
+def _partial_scores(q_n, q_p, kn, kp, BLOCK_N: gl.constexpr, OPB3: gl.constexpr, MMA3: gl.constexpr):
+    """[4, 16, BLOCK_N] fp32: warp w's partial scores of the tile in ``kn`` [BLOCK_N, 512] / ``kp``
+    [BLOCK_N, 64] (uint8 shared memory) over latent dims 128w.. and rope dims 16w.. (batched fp16 MMA)."""
+    kt = kn.reshape([BLOCK_N, 4, 128]).permute((1, 2, 0)).load(OPB3)
+    s3 = mma_v2(q_n, kt.to(gl.float8e4nv, bitcast=True).to(gl.float16),
+                gl.zeros([4, 16, BLOCK_N], gl.float32, layout=MMA3))
+    kpt = kp.reshape([BLOCK_N, 4, 16]).permute((1, 2, 0)).load(OPB3)
+    return mma_v2(q_p, kpt.to(gl.float8e4nv, bitcast=True).to(gl.float16), s3)
+
+
+@gluon.jit
 def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
                           H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits, qk_scale, out_scale,
                           BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                          HAS_VIS: gl.constexpr, SPLIT: gl.constexpr):
+                          HAS_VIS: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr = False):
     """Stage 1 over an fp8 (uint8-viewed) cache ``[num_blocks, BLOCK_SIZE, 576]``; grid (head-group,
     kv-split, request), arguments as the Triton kernel's ``_mla_decode_stage1``; 4 warps. Writes the
     split's partial ``[T, H, S, 512]`` fp32 output and LSE (SPLIT) or the final output in q's dtype and
@@ -275,9 +286,20 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     m_i = gl.full([16], float("-inf"), gl.float32, layout=ROWS)
     l_acc = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)  # running softmax sums per score slot (summed at the end)
     acc = gl.zeros([16, 512], gl.float32, layout=MMA)
-    for i in range(0, num_tiles):
+    if PIPE:  # the scores of tile 0 before the loop; each iteration issues the next tile's score MMAs first
+        gl.static_assert(STAGES >= 3, "PIPE keeps two tiles resident: STAGES >= 3")
         async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()  # tile i visible to all warps; every warp is done with tile i - 1's buffer
+        gl.thread_barrier()
+        s3_next = _partial_scores(q_n, q_p, kn_smem.index(0), kp_smem.index(0), BLOCK_N, OPB3, MMA3)
+    else:
+        s3_next = gl.zeros([4, 16, BLOCK_N], gl.float32, layout=MMA3)
+    for i in range(0, num_tiles):
+        if PIPE:
+            async_copy.wait_group(STAGES - 3)
+        else:
+            async_copy.wait_group(STAGES - 2)
+        # tiles i (and i + 1 with PIPE) visible to all warps; every warp is done with iteration i - 1
+        gl.thread_barrier()
         nxt = (i + STAGES - 1) % STAGES
         _copy_rows(kn_smem.index(nxt), cache_ptr, blk_n, start_next, hi, 0, 512, BLOCK_N, BLOCK_SIZE, CPN)
         _copy_rows(kp_smem.index(nxt), cache_ptr, blk_p, start_next, hi, 512, 64, BLOCK_N, BLOCK_SIZE, CPP)
@@ -286,13 +308,12 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
         blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
         blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
         kn = kn_smem.index(i % STAGES)
-        kp = kp_smem.index(i % STAGES)
-        # scores: warp w's partial over its 128 latent + 16 rope dims, then the sum over warps
-        kt = kn.reshape([BLOCK_N, 4, 128]).permute((1, 2, 0)).load(OPB3)
-        s3 = mma_v2(q_n, kt.to(gl.float8e4nv, bitcast=True).to(gl.float16),
-                    gl.zeros([4, 16, BLOCK_N], gl.float32, layout=MMA3))
-        kpt = kp.reshape([BLOCK_N, 4, 16]).permute((1, 2, 0)).load(OPB3)
-        s3 = mma_v2(q_p, kpt.to(gl.float8e4nv, bitcast=True).to(gl.float16), s3)
+        if PIPE:  # this tile's scores were issued last iteration; issue the next tile's (zeros past hi)
+            s3 = s3_next
+            s3_next = _partial_scores(q_n, q_p, kn_smem.index((i + 1) % STAGES), kp_smem.index((i + 1) % STAGES),
+                                      BLOCK_N, OPB3, MMA3)
+        else:  # scores: warp w's partial over its 128 latent + 16 rope dims
+            s3 = _partial_scores(q_n, q_p, kn, kp_smem.index(i % STAGES), BLOCK_N, OPB3, MMA3)
         # the sum of the four partial tiles, each warp summing its quarter of the columns
         red_smem.store(s3)
         gl.thread_barrier()

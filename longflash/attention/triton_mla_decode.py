@@ -318,7 +318,7 @@ def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stri
 # fp8 cache, <= 16 query rows, on a GPU that runs it: the Gluon stage 1 (``gluon_mla_decode``; BLOCK_N cache
 # rows per step, num_stages cp.async buffers, 4 warps). Where it cannot run (CPU interpreter, widths other
 # than 512 + 64, fp32 queries, no sm_89+) the Triton tile below takes its place.
-GLUON_FP8_CONFIG = {"GLUON": True, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "V_RELOAD": False,
+GLUON_FP8_CONFIG = {"GLUON": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False,
                     "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2}
 TRITON_FP8_CONFIG = {"GLUON": False, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
                      "F16": True, "PREFETCH": False, "occupancy": 2}
@@ -389,10 +389,12 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
         tr = TRITON_FP8_CONFIG
         pre = dict(tr, num_warps=8, num_stages=1, V_RELOAD=False, PREFETCH=True, occupancy=1)
         cvt = dict(tr, V_RELOAD=False, CVT_SMEM=True)
-        # maxnreg 168: three programs per SM (sm_90 compile: 168 registers, no spills; 204 without the cap)
-        cands = [dict(g, num_stages=2), dict(g, num_stages=3), dict(g, num_stages=2, maxnreg=168, occupancy=3),
-                 dict(g, num_stages=3, maxnreg=168, occupancy=3), dict(g, BLOCK_N=64, num_stages=2),
-                 dict(g, BLOCK_N=64, num_stages=3, occupancy=1), tr, pre, cvt]
+        # maxnreg 168: three programs per SM (sm_90 compile: 168 registers, no spills; 210 without the cap)
+        # PIPE: the next tile's score MMAs issued before this tile's softmax and value MMAs (3+ buffers)
+        cands = [dict(g, BLOCK_N=32, num_stages=3, PIPE=True), dict(g, BLOCK_N=32, num_stages=4, PIPE=True),
+                 dict(g, num_stages=3, PIPE=True, occupancy=1), dict(g, BLOCK_N=32, num_stages=2),
+                 dict(g, BLOCK_N=32, num_stages=4), dict(g, BLOCK_N=32, num_stages=2, maxnreg=168, occupancy=3),
+                 tr, pre, cvt]
     elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
                     PREFETCH=False, occupancy=2)  # run 2's default
@@ -583,7 +585,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
         stage1 = mla_decode_fp8_stage1
         common = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, STAGES=cfg["num_stages"],
-                      HAS_VIS=visible_lens is not None, num_warps=4,
+                      HAS_VIS=visible_lens is not None, PIPE=bool(cfg.get("PIPE", False)), num_warps=4,
                       **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
     else:
         stage1 = _mla_decode_stage1

@@ -32,7 +32,7 @@ def test_latent_dim_of_column_is_a_permutation():
     assert latent_dim_of_column(8) == 32 and latent_dim_of_column(1) == 4
 
 
-def _compile_sm90(block_n=32, stages=4, split=True, has_vis=False, qdt="bf16", block_size=16, pipe=False):
+def _compile_sm90(block_n=32, stages=4, split=True, has_vis=False, qdt="bf16", block_size=16):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -41,7 +41,7 @@ def _compile_sm90(block_n=32, stages=4, split=True, has_vis=False, qdt="bf16", b
            "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{qdt}", "lse_ptr": "*fp32", "H": "i32",
            "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32"}
-    const = dict(BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split, PIPE=pipe)
+    const = dict(BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split)
     for k in const:
         sig[k] = "constexpr"
     names = list(sig)
@@ -54,7 +54,7 @@ def _compile_sm90(block_n=32, stages=4, split=True, has_vis=False, qdt="bf16", b
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(split=False, qdt="fp16", has_vis=True),
-                                dict(block_n=64, stages=2, block_size=64), dict(stages=3, block_size=1, pipe=True)])
+                                dict(block_n=64, stages=2, block_size=64), dict(stages=3, block_size=1)])
 def test_compiles_for_sm90(kw):
     """The kernel compiles for sm_90 (its static asserts: no bank conflicts on the three shared-memory
     patterns); the value operand is built from 4-byte shared loads + byte permutes (no byte loads), the

@@ -9,17 +9,30 @@ bytes are contiguous along the latent dimension, and an MMA operand needs the co
 packed in its registers. For 16-bit data ``ldmatrix.trans`` transposes on the way out of shared memory;
 8-bit data has no such instruction, so Triton assembles the fp8 value operand one byte per shared-memory
 load (``benchmarks/NOTES.md``, session 21: 37 % of the instructions, the fp8 kernel at 0.34-0.37 of copy
-bandwidth while the bf16 one reaches 0.94). Here the layouts are explicit:
+bandwidth while the bf16 one reaches 0.94). Here the layouts are explicit (4 warps, one program per
+(16 query rows, kv-split, request), BLOCK_N cache rows per step):
 
 - the cache tile ``[BLOCK_N, 512 | 64]`` bytes is copied to shared memory with ``cp.async`` (``STAGES``
-  buffers) under an XOR swizzle that keeps both read patterns below free of bank conflicts;
-- scores ``S = q · Kᵀ``: ``mma.sync`` m16n8k16 in fp16 with operands of ``k_width`` 4 (each thread holds
-  4 consecutive contraction elements, a 4-byte shared-memory load of one cache row);
+  buffers; block ids loaded one tile ahead) under an XOR swizzle chosen so that the copies and all reads
+  below are free of bank conflicts (``gl.bank_conflicts``, asserted at compile time);
+- scores: warp w contracts latent dims 128w..128w+127 and rope dims 16w..16w+15 (a batched ``mma.sync``
+  m16n8k16 in fp16, q held in registers for the whole kernel, operands of ``k_width`` 4: one 4-byte
+  shared load per cache row and 4 dims); the four partial tiles meet in a conflict-free exchange buffer
+  where each warp sums a quarter of the columns, so the softmax is not computed 4 times;
+- online softmax in base 2 with a cross-warp row max; the running sum is kept per score slot and
+  reduced once at the end; the output rescale is skipped when no row's max grew (x 1.0 otherwise);
 - the value operand is read as 4 × 4 byte blocks (4 consecutive cache rows × 4 consecutive latent
   dims, four 4-byte loads) through a *relabelled* view of the tile: logical value column n is latent
   dim ``σ(n)`` (:func:`latent_dim_of_column`), chosen so that the MMA operand layout holds exactly those
-  blocks. The transposition then happens inside each thread (byte permutes), and the output columns
-  are written back through σ.
+  blocks. Four ``prmt`` + eight ``cvt.rn.f16x2.e4m3x2`` per block transpose and convert inside the
+  thread (:func:`_e4m3_block_to_f16_pairs`), P comes through a conflict-free buffer, the 4 warps split
+  the 512 output columns, and the output is written back through σ.
+
+Measured on an H200 (``benchmarks/results/mla_decode.h200.md``, NOTES "Session 23"): 0.61-0.79 of the
+copy bandwidth at batch 16-64 × 32K-128K (the Triton fp8 tile: 0.34-0.37; the bf16 kernel: 0.83-0.95
+of copy for twice the bytes, so fp8 decode is now 1.4-1.7x faster than bf16). The remaining limit is
+latency (about 1.6 instructions issued per cycle per SM at 8 resident warps, ``wait``/``short_sb``
+stalls around the per-byte fp8 -> fp16 conversions, 26 % of the instructions).
 
 Numerics are those of the Triton kernel's fp16 path (``F16``): q rows scaled by a power of two into
 fp16 range, fp8 values exact in fp16, fp32 accumulation, online softmax in base 2, P rounded to fp16.
@@ -33,12 +46,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-
-R_DIM = 512   # kv_lora_rank this kernel is written for (DeepSeek-V3 / Kimi-K2)
-P_DIM = 64    # qk_rope_head_dim
-BLOCK_M = 16  # query rows per program
-NUM_WARPS = 4
-
 
 def latent_dim_of_column(n):
     """σ: the latent dim that logical value column ``n`` (0..511) of the kernel's PV product reads
@@ -179,7 +186,7 @@ def _partial_scores(q_n, q_p, kn, kp, BLOCK_N: gl.constexpr, OPB3: gl.constexpr,
 def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
                           H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits, qk_scale, out_scale,
                           BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                          HAS_VIS: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr = False):
+                          HAS_VIS: gl.constexpr, SPLIT: gl.constexpr):
     """Stage 1 over an fp8 (uint8-viewed) cache ``[num_blocks, BLOCK_SIZE, 576]``; grid (head-group,
     kv-split, request), arguments as the Triton kernel's ``_mla_decode_stage1``; 4 warps. Writes the
     split's partial ``[T, H, S, 512]`` fp32 output and LSE (SPLIT) or the final output in q's dtype and
@@ -286,20 +293,9 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     m_i = gl.full([16], float("-inf"), gl.float32, layout=ROWS)
     l_acc = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)  # running softmax sums per score slot (summed at the end)
     acc = gl.zeros([16, 512], gl.float32, layout=MMA)
-    if PIPE:  # the scores of tile 0 before the loop; each iteration issues the next tile's score MMAs first
-        gl.static_assert(STAGES >= 3, "PIPE keeps two tiles resident: STAGES >= 3")
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        s3_next = _partial_scores(q_n, q_p, kn_smem.index(0), kp_smem.index(0), BLOCK_N, OPB3, MMA3)
-    else:
-        s3_next = gl.zeros([4, 16, BLOCK_N], gl.float32, layout=MMA3)
     for i in range(0, num_tiles):
-        if PIPE:
-            async_copy.wait_group(STAGES - 3)
-        else:
-            async_copy.wait_group(STAGES - 2)
-        # tiles i (and i + 1 with PIPE) visible to all warps; every warp is done with iteration i - 1
-        gl.thread_barrier()
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()  # tile i visible to all warps; every warp is done with iteration i - 1
         nxt = (i + STAGES - 1) % STAGES
         _copy_rows(kn_smem.index(nxt), cache_ptr, blk_n, start_next, hi, 0, 512, BLOCK_N, BLOCK_SIZE, CPN)
         _copy_rows(kp_smem.index(nxt), cache_ptr, blk_p, start_next, hi, 512, 64, BLOCK_N, BLOCK_SIZE, CPP)
@@ -308,12 +304,8 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
         blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
         blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
         kn = kn_smem.index(i % STAGES)
-        if PIPE:  # this tile's scores were issued last iteration; issue the next tile's (zeros past hi)
-            s3 = s3_next
-            s3_next = _partial_scores(q_n, q_p, kn_smem.index((i + 1) % STAGES), kp_smem.index((i + 1) % STAGES),
-                                      BLOCK_N, OPB3, MMA3)
-        else:  # scores: warp w's partial over its 128 latent + 16 rope dims
-            s3 = _partial_scores(q_n, q_p, kn, kp_smem.index(i % STAGES), BLOCK_N, OPB3, MMA3)
+        # scores: warp w's partial over its 128 latent + 16 rope dims
+        s3 = _partial_scores(q_n, q_p, kn, kp_smem.index(i % STAGES), BLOCK_N, OPB3, MMA3)
         # the sum of the four partial tiles, each warp summing its quarter of the columns
         red_smem.store(s3)
         gl.thread_barrier()

@@ -353,7 +353,12 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     as usual, so Triton pipelines them with cp.async, then converted once in their load layout and the
     fp16 tile fed to both dots through shared memory; no V reload), maxnreg (optional key, default None:
     a cap on registers per thread, so more programs fit an SM), occupancy (programs resident per SM,
-    from registers and shared memory; used by the split count).
+    from registers and shared memory; used by the split count), GLUON (fp8 cache, <= 16 rows: the Gluon
+    stage 1 of ``gluon_mla_decode`` with BLOCK_N rows per step and num_stages cp.async buffers; it needs
+    :func:`gluon_eligible`, otherwise ``TRITON_FP8_CONFIG`` runs; ``GLUON=False`` in ``config`` selects
+    the Triton kernel).
+    Session 23 (commit c7e5ac0, ``benchmarks/results/mla_decode.h200.md``): fp8 <= 16 rows Gluon N64 s2
+    (0.61 of copy at B16/32K, 0.77-0.79 at B16-64 x 128K), replacing the Triton fp8 tile below.
     The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
     sweep at B = 16, 32K, ``chosen``): <= 16 rows bf16 M16 N64 w4 s2 (0.84 of copy bandwidth there, 0.95-1.00
     at B 16/64 x 128K; the third and fourth runs, f5c1d69 and 8d8d43d, measured M16 N32 w4 s3 faster at
@@ -390,11 +395,8 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
         pre = dict(tr, num_warps=8, num_stages=1, V_RELOAD=False, PREFETCH=True, occupancy=1)
         cvt = dict(tr, V_RELOAD=False, CVT_SMEM=True)
         # maxnreg 168: three programs per SM (sm_90 compile: 168 registers, no spills; 210 without the cap)
-        # PIPE: the next tile's score MMAs issued before this tile's softmax and value MMAs (3+ buffers)
-        cands = [dict(g, BLOCK_N=32, num_stages=3, PIPE=True), dict(g, BLOCK_N=32, num_stages=4, PIPE=True),
-                 dict(g, num_stages=3, PIPE=True, occupancy=1), dict(g, BLOCK_N=32, num_stages=2),
-                 dict(g, BLOCK_N=32, num_stages=4), dict(g, BLOCK_N=32, num_stages=2, maxnreg=168, occupancy=3),
-                 tr, pre, cvt]
+        cands = [dict(g, num_stages=3, occupancy=1), dict(g, BLOCK_N=32, num_stages=2), dict(g, BLOCK_N=32, num_stages=4),
+                 dict(g, BLOCK_N=32, num_stages=2, maxnreg=168, occupancy=3), tr, pre, cvt]
     elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
                     PREFETCH=False, occupancy=2)  # run 2's default
@@ -585,7 +587,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
         stage1 = mla_decode_fp8_stage1
         common = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, STAGES=cfg["num_stages"],
-                      HAS_VIS=visible_lens is not None, PIPE=bool(cfg.get("PIPE", False)), num_warps=4,
+                      HAS_VIS=visible_lens is not None, num_warps=4,
                       **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
     else:
         stage1 = _mla_decode_stage1

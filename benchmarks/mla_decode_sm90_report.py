@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longflash.attention import gluon_mla_decode  # noqa: E402
 from longflash.attention import triton_mla_decode as m  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -126,13 +127,18 @@ def main() -> None:
             for i, cfg in enumerate(m.candidate_configs(q_rows, dt)):
                 r = dict(cache="fp8" if fp8 else "bf16", q_rows=q_rows, default=i == 0, **cfg)
                 try:
-                    r.update(report(stage1(fp8, cfg)))
+                    if cfg.get("GLUON"):  # the Gluon fp8 stage 1 (attention/gluon_mla_decode.py)
+                        r.update(report(gluon_mla_decode.compile_stage1(
+                            TARGET, block_n=cfg["BLOCK_N"], stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"))))
+                    else:
+                        r.update(report(stage1(fp8, cfg)))
                 except Exception as e:  # noqa: BLE001  (a compile failure is a result here)
                     r["error"] = repr(e)[:500]
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     d = m.default_config(16, torch.bfloat16)
-    t = dict(m.candidate_configs(16, torch.float8_e4m3fn)[3], TRANS=True, BLOCK_N=64)  # swap-AB, fp16, prefetch
+    pre = dict(m.TRITON_FP8_CONFIG, num_warps=8, num_stages=1, V_RELOAD=False, PREFETCH=True, occupancy=1)
+    t = dict(pre, TRANS=True, BLOCK_N=64)  # swap-AB, fp16, prefetch
     cv = next(c for c in m.candidate_configs(16, torch.float8_e4m3fn) if c.get("CVT_SMEM"))  # version 3
     for name, fp8, cfg, kw in (("unsplit bf16 out", False, d, dict(split=False)),
                                ("fp32 q (ieee dots)", False, d, dict(qdt="fp32")),

@@ -351,3 +351,30 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
         optr = out_ptr + gl.expand_dims(tok_o * stride_ot + (mo % H) * stride_oh, 1) + col
         gl.store(optr, o.to(out_ptr.dtype.element_ty), mask=ok_o)
         gl.store(lse_ptr + tok * H + h, lse, mask=row_ok)
+
+
+def compile_stage1(target=None, *, block_n: int = 64, stages: int = 2, split: bool = True, has_vis: bool = False,
+                   q_dtype: str = "bf16", block_size: int = 16, num_warps: int = 4, maxnreg: int | None = None):
+    """Ahead-of-time compile of :func:`mla_decode_fp8_stage1` (no GPU needed; Triton's bundled ptxas) for
+    ``target`` (default ``GPUTarget("cuda", 90, 32)``, an H100/H200), with the pointer and stride arguments
+    marked 16-divisible as the JIT marks real tensors. Returns Triton's compiled kernel (``asm["ptx"]``,
+    ``asm["cubin"]``, ``metadata.shared`` in bytes). Used by the CPU tests and
+    ``benchmarks/mla_decode_sm90_report.py``. Raises Triton's compilation errors (e.g. a failed bank-conflict
+    static assert)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*u8", "bt_ptr": "*i32", "qsl_ptr": "*i32", "kvlen_ptr": "*i32",
+           "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{q_dtype}", "lse_ptr": "*fp32", "H": "i32",
+           "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+           "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32"}
+    const = dict(BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split)
+    sig.update({k: "constexpr" for k in const})
+    names = list(sig)
+    div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr", "H",
+           "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
+    src = GluonASTSource(fn=mla_decode_fp8_stage1, signature=sig,
+                         constexprs={(names.index(k),): v for k, v in const.items()},
+                         attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
+    options = dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(src, target=target or GPUTarget("cuda", 90, 32), options=options)

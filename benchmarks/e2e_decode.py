@@ -338,21 +338,23 @@ def graph_replay_ms(dr, batch: int, replays: int = 50) -> float | None:
 
 def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev: torch.device, peak_gbs: float,
                max_model_len: int, enforce_eager: bool, hf_tokens: dict[int, list[list[int]]],
-               profile_deadline: float, op_shapes: bool = False) -> dict:
+               profile_deadline: float, op_shapes: bool = False, engine_kw: dict | None = None) -> dict:
     """longflash on the checkpoint at ``path``: per batch a warm-up run of the same shape (4 tokens),
     the timed ``run_offline`` and its roofline, greedy tokens vs HF's (``hf_tokens``: batch -> rows),
-    and on a GPU a kernel profile while ``elapsed() < profile_deadline``."""
+    and on a GPU a kernel profile while ``elapsed() < profile_deadline``. ``engine_kw`` overrides
+    ``EngineConfig`` fields (e.g. ``kv_cache_dtype``, ``max_num_batched_tokens``; ``benchmarks/long_decode.py``)."""
     from longflash.bench import run_offline
     from longflash.bench_roofline import StepBytes
     from longflash.config import EngineConfig
     from longflash.engine.llm_engine import LLMEngine
     name = "eager" if enforce_eager else ("graphs" if dev.type == "cuda" else "default")
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16" if dev.type == "cuda" else "float32",
-                                    device=dev.type, max_model_len=max_model_len, max_num_seqs=max(prompts),
-                                    max_num_batched_tokens=max(2048, max(prompts) * max_model_len // 2),
-                                    kv_cache_memory="8GiB" if dev.type == "cuda" else "256MiB",
-                                    skip_tokenizer_init=True, enforce_eager=enforce_eager, enable_prefix_caching=False))
+    kw = dict(model=path, dtype="bfloat16" if dev.type == "cuda" else "float32", device=dev.type,
+              max_model_len=max_model_len, max_num_seqs=max(prompts),
+              max_num_batched_tokens=max(2048, max(prompts) * max_model_len // 2),
+              kv_cache_memory="8GiB" if dev.type == "cuda" else "256MiB", skip_tokenizer_init=True,
+              enforce_eager=enforce_eager, enable_prefix_caching=False)
+    engine = LLMEngine(EngineConfig(**dict(kw, **(engine_kw or {}))))
     dr = engine.runner.decode_runner
     out = {"engine_start_s": time.perf_counter() - t0, "graph_capture_s": getattr(dr, "capture_time_s", 0.0) or 0.0}
     log(f"longflash {name}: engine up in {out['engine_start_s']:.1f} s (graph capture {out['graph_capture_s']:.1f} s)")

@@ -45,6 +45,7 @@ run launch_floor 60 python3 benchmarks/launch_floor.py --out "$R"
 run penalties_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_penalties.py -k gpu
 run e2e_decode 300 python3 benchmarks/e2e_decode.py --out "$R" --budget-s 280 --baselines cublas --repeat-default
 run long_context 210 python3 benchmarks/long_context.py --out "$R"
+run long_decode 300 python3 benchmarks/long_decode.py --out "$R"
 run dflash_bench_code 90 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind code --max-num-seqs 16 --kv-cache-memory 8GiB --output-json "$R/dflash_bench_code.json"
 run dflash_bench_prose 90 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind prose --max-num-seqs 16 --kv-cache-memory 8GiB --output-json "$R/dflash_bench_prose.json"
 run bench_serve 120 python3 -m longflash.entrypoints.cli bench serve --num-prompts 64 --max-concurrency 16 --input-len 64 --output-len 128 --prompt-kind code --max-num-seqs 16 --kv-cache-memory 8GiB --output-json "$R/bench_serve.json"

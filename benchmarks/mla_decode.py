@@ -34,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="directory for mla_decode.json / .md")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through TRITON_INTERPRET=1")
     ap.add_argument("--heads", type=int, default=16)
@@ -205,7 +205,7 @@ def measure(caches, ceil, dtype, B, L, ql, heads=H, bs=BS, cfg=None, S=None) -> 
                                               q.element_size(), bs)
     floor = max(nbytes / ceil["copy_bw"], flops / ceil["gemm_rate"])
     rows = ql * heads
-    used = dict(tk.default_config(rows, cache.dtype), **(cfg or {}))
+    used, _ = tk.resolve_config(q, cache, R, ql, cfg)  # the tile that ran (a Gluon request falls back on the CPU)
     groups = -(-rows // used["BLOCK_M"])
     splits = S or tk.choose_num_splits(B, groups, L, rows, R, W, W * cache.element_size(),
                                        tk.sm_count(DEV) * used["occupancy"])

@@ -9,7 +9,8 @@ Uses Triton's ahead-of-time ``triton.compile`` with a ``GPUTarget("cuda", 90, 32
 bundled with Triton (``-v``). Pointer/stride arguments are marked 16-divisible as the JIT does for
 real tensors (without that no load is vectorized and nothing is pipelined). Also compiles the variants
 the engine may launch (fp32 queries, DCP visible lengths, unsplit output, stage 2) so a compile error
-shows here rather than on the device.
+shows here rather than on the device. Gluon candidates (``GLUON``) are compiled in their split bf16 form;
+``tests/test_gluon_mla_decode.py`` compiles the other forms the wrapper launches.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def report(kernel) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch

@@ -23,6 +23,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 def test_latent_dim_of_column_is_a_permutation():
     from longflash.attention.gluon_mla_decode import latent_dim_of_column
+    for bad in (512, -1, torch.tensor([0, 600])):
+        with pytest.raises(ValueError, match="0..511"):
+            latent_dim_of_column(bad)
     n = torch.arange(512)
     d = latent_dim_of_column(n)
     assert sorted(d.tolist()) == list(range(512))
@@ -63,6 +66,40 @@ def test_compiles_for_sm90():
     bad = {k: v for k, v in res.items() if not (v.get("ok") and v["mma_f16"] and v["cp_async"] and v["prmt_asm"]
                                                and not v["byte_loads"] and not v["local"])}
     assert not bad, bad
+
+
+def test_compile_stage1_refuses_what_the_kernel_cannot_take():
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from longflash.attention.gluon_mla_decode import compile_stage1
+    for kw, msg in ((dict(q_dtype="fp32"), "q_dtype"), (dict(block_n=16), "block_n"), (dict(stages=1), "stages"),
+                    (dict(block_size=0), "block_size"), (dict(target=GPUTarget("cuda", 80, 32)), "8.9")):
+        with pytest.raises(ValueError, match=msg):
+            compile_stage1(**kw)
+
+
+def test_resolve_config(monkeypatch):
+    """Which tile runs: the Gluon default where eligible; the Triton fp8 tile (with the caller's other keys)
+    where Gluon cannot run or ``GLUON=False`` is asked; other shapes keep their own defaults; a Gluon tile the
+    kernel cannot run is refused by name."""
+    from longflash.attention import triton_mla_decode as tk
+    from longflash.attention.ops import FP8_DTYPE
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 576, dtype=FP8_DTYPE)
+    assert tk.resolve_config(q, cache, 512, 1) == (dict(tk.TRITON_FP8_CONFIG), False)  # CPU: not eligible
+    assert tk.resolve_config(q, cache, 512, 1, {"BLOCK_N": 64}) == (dict(tk.TRITON_FP8_CONFIG, BLOCK_N=64), False)
+    monkeypatch.setattr(tk, "gluon_eligible", lambda *a: True)
+    assert tk.resolve_config(q, cache, 512, 1) == (dict(tk.GLUON_FP8_CONFIG), True)
+    assert tk.resolve_config(q, cache, 512, 1, {"GLUON": False}) == (dict(tk.TRITON_FP8_CONFIG), False)
+    assert tk.resolve_config(q, cache, 512, 1, {"BLOCK_N": 32})[0]["BLOCK_N"] == 32
+    for bad in ({"num_stages": 1}, {"BLOCK_N": 16}, {"num_warps": 8}):
+        with pytest.raises(ValueError, match="Gluon fp8 decode tile"):
+            tk.resolve_config(q, cache, 512, 1, bad)
+    monkeypatch.setattr(tk, "gluon_eligible", lambda q, c, r, rows: rows <= 16)
+    cfg, gl = tk.resolve_config(q, cache, 512, 2, {"GLUON": True})  # 32 rows: the 32-row Triton tile
+    assert not gl and cfg == dict(tk.default_config(32, FP8_DTYPE), GLUON=False)
+    cfg, gl = tk.resolve_config(q.float(), cache, 512, 1)  # fp32 q: the 16-row bf16 tile
+    assert not gl and cfg == dict(tk.default_config(16, torch.bfloat16), GLUON=False)
 
 
 def test_fallback_where_gluon_cannot_run():
@@ -187,7 +224,7 @@ def test_gpu_engine_fp8_cache_graphs_equal_eager(tmp_path, monkeypatch):
         return out
     graphs = run()
     assert graphs == run(enforce_eager=True)
-    monkeypatch.setitem(tk.GLUON_FP8_CONFIG, "GLUON", False)
+    monkeypatch.setattr(tk, "gluon_eligible", lambda *a: False)  # the Triton fp16-dot tile instead
     triton_tokens = run()
     same = sum(a == b for x, y in zip(graphs, triton_tokens) for a, b in zip(x, y))
     assert same >= 0.9 * sum(len(x) for x in graphs), (graphs, triton_tokens)

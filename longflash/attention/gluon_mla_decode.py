@@ -28,7 +28,7 @@ bandwidth while the bf16 one reaches 0.94). Here the layouts are explicit (4 war
   thread (:func:`_e4m3_block_to_f16_pairs`), P comes through a conflict-free buffer, the 4 warps split
   the 512 output columns, and the output is written back through σ.
 
-Measured on an H200 (``benchmarks/results/mla_decode.h200.md``, NOTES "Session 23"): 0.61-0.79 of the
+Measured on an H200 (``benchmarks/results/mla_decode_gluon.h200.md``, NOTES "Session 23"): 0.60-0.79 of the
 copy bandwidth at batch 16-64 × 32K-128K (the Triton fp8 tile: 0.34-0.37; the bf16 kernel: 0.83-0.95
 of copy for twice the bytes, so fp8 decode is now 1.4-1.7x faster than bf16). The remaining limit is
 latency (about 1.6 instructions issued per cycle per SM at 8 resident warps, ``wait``/``short_sb``
@@ -50,7 +50,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 def latent_dim_of_column(n):
     """σ: the latent dim that logical value column ``n`` (0..511) of the kernel's PV product reads
     (a bit permutation: n bits 5-6 -> dim bits 0-1, n bits 0-4 -> dim bits 2-6, bits 7-8 kept).
-    Works on ints and on integer tensors."""
+    Works on ints and on integer tensors; raises ValueError for a column outside 0..511."""
+    if isinstance(n, int):
+        lo = hi = n
+    else:
+        lo, hi = (int(n.min()), int(n.max())) if n.numel() else (0, 0)
+    if lo < 0 or hi > 511:
+        raise ValueError(f"value columns are 0..511, got {lo}..{hi}")
     return ((n >> 5) & 3) | ((n & 31) << 2) | (n & 384)
 
 
@@ -194,6 +200,7 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     q held in registers), the four partial score tiles are summed; values: the 4 warps split the 512
     output columns."""
     gl.static_assert((BLOCK_N == 32) | (BLOCK_N == 64), "BLOCK_N must be 32 or 64")
+    gl.static_assert(STAGES >= 2, "STAGES must be >= 2 (the loop consumes a tile copied one iteration earlier)")
     MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     OPA3: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=4)
     OPB3: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=4)
@@ -354,16 +361,24 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
 
 
 def compile_stage1(target=None, *, block_n: int = 64, stages: int = 2, split: bool = True, has_vis: bool = False,
-                   q_dtype: str = "bf16", block_size: int = 16, num_warps: int = 4, maxnreg: int | None = None):
+                   q_dtype: str = "bf16", block_size: int = 16, maxnreg: int | None = None):
     """Ahead-of-time compile of :func:`mla_decode_fp8_stage1` (no GPU needed; Triton's bundled ptxas) for
-    ``target`` (default ``GPUTarget("cuda", 90, 32)``, an H100/H200), with the pointer and stride arguments
-    marked 16-divisible as the JIT marks real tensors. Returns Triton's compiled kernel (``asm["ptx"]``,
-    ``asm["cubin"]``, ``metadata.shared`` in bytes). Used by the CPU tests and
-    ``benchmarks/mla_decode_sm90_report.py``. Raises Triton's compilation errors (e.g. a failed bank-conflict
-    static assert)."""
+    ``target`` (default ``GPUTarget("cuda", 90, 32)``, an H100/H200; the kernel needs sm_89+), with the
+    pointer and stride arguments marked 16-divisible as the JIT marks real tensors. ``q_dtype``: "bf16" or
+    "fp16". Returns Triton's compiled kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata.shared`` in bytes).
+    Used by the CPU tests and ``benchmarks/mla_decode_sm90_report.py``. Raises ValueError for arguments the
+    kernel does not take, and Triton's compilation errors (e.g. a failed bank-conflict static assert)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    target = target or GPUTarget("cuda", 90, 32)
+    if q_dtype not in ("bf16", "fp16"):
+        raise ValueError(f"q_dtype must be 'bf16' or 'fp16', got {q_dtype!r}")
+    if block_n not in (32, 64) or stages < 2 or block_size < 1:
+        raise ValueError(f"block_n must be 32 or 64, stages >= 2 and block_size >= 1, got {block_n}, {stages}, "
+                         f"{block_size}")
+    if target.backend != "cuda" or int(target.arch) < 89:
+        raise ValueError(f"the kernel needs a CUDA target of compute capability >= 8.9 (fp8 conversions), got {target}")
     sig = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*u8", "bt_ptr": "*i32", "qsl_ptr": "*i32", "kvlen_ptr": "*i32",
            "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{q_dtype}", "lse_ptr": "*fp32", "H": "i32",
            "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
@@ -371,10 +386,9 @@ def compile_stage1(target=None, *, block_n: int = 64, stages: int = 2, split: bo
     const = dict(BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split)
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
-    div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr", "H",
+    div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr",
            "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
     src = GluonASTSource(fn=mla_decode_fp8_stage1, signature=sig,
                          constexprs={(names.index(k),): v for k, v in const.items()},
                          attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
-    options = dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return triton.compile(src, target=target or GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=target, options=dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {})))

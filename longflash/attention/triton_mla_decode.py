@@ -317,7 +317,8 @@ def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stri
 
 # fp8 cache, <= 16 query rows, on a GPU that runs it: the Gluon stage 1 (``gluon_mla_decode``; BLOCK_N cache
 # rows per step, num_stages cp.async buffers, 4 warps). Where it cannot run (CPU interpreter, widths other
-# than 512 + 64, fp32 queries, no sm_89+) the Triton tile below takes its place.
+# than 512 + 64, no sm_89+) the Triton tile below takes its place (``resolve_config``); fp32 queries take
+# the 16-row bf16 tile.
 GLUON_FP8_CONFIG = {"GLUON": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False,
                     "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2}
 TRITON_FP8_CONFIG = {"GLUON": False, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
@@ -341,6 +342,33 @@ def gluon_eligible(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, q
     return True
 
 
+def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, max_query_len: int,
+                   config: dict | None = None) -> tuple[dict, bool]:
+    """The tile a call runs and whether the Gluon kernel runs it: ``config`` (keys of :func:`default_config`)
+    over the default for ``max_query_len · heads`` query rows. When the result asks for Gluon but
+    :func:`gluon_eligible` says no, or ``config`` sets ``GLUON=False`` over a Gluon default, the Triton tile
+    for that shape (``TRITON_FP8_CONFIG`` at <= 16 rows) takes the Gluon default's place, with the
+    caller's other keys applied on top. fp32 queries over an fp8 cache always take the 16-row bf16 tile
+    (see the note in :func:`mla_decode_attention`).
+    Raises ValueError for a Gluon tile the kernel does not support (BLOCK_N not 32/64, num_stages < 2,
+    num_warps not 4, BLOCK_M not 16)."""
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    H = q.shape[1]
+    rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
+    base = default_config(rows, torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype)
+    user = dict(config or {})
+    cfg = dict(base, **user)
+    use_gluon = bool(cfg.get("GLUON", False)) and gluon_eligible(q, kv_cache, kv_lora_rank, max_query_len * H)
+    if not use_gluon and base.get("GLUON", False):
+        cfg = dict(TRITON_FP8_CONFIG, **{k: v for k, v in user.items() if k != "GLUON"})
+    if not use_gluon:
+        cfg["GLUON"] = False
+    elif cfg["BLOCK_N"] not in (32, 64) or cfg["num_stages"] < 2 or cfg["num_warps"] != 4 or cfg["BLOCK_M"] != 16:
+        raise ValueError(f"the Gluon fp8 decode tile needs BLOCK_M 16, BLOCK_N 32 or 64, num_stages >= 2 and "
+                         f"num_warps 4, got {cfg}")
+    return cfg, use_gluon
+
+
 def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     """Tile shape for a batch whose largest request has ``max_query_rows`` = q_len · H query rows:
     BLOCK_M (query rows per program, >= 16 for ``tl.dot``), BLOCK_N (cache rows per step), num_warps,
@@ -356,9 +384,9 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     from registers and shared memory; used by the split count), GLUON (fp8 cache, <= 16 rows: the Gluon
     stage 1 of ``gluon_mla_decode`` with BLOCK_N rows per step and num_stages cp.async buffers; it needs
     :func:`gluon_eligible`, otherwise ``TRITON_FP8_CONFIG`` runs; ``GLUON=False`` in ``config`` selects
-    the Triton kernel).
-    Session 23 (commit c7e5ac0, ``benchmarks/results/mla_decode.h200.md``): fp8 <= 16 rows Gluon N64 s2
-    (0.61 of copy at B16/32K, 0.77-0.79 at B16-64 x 128K), replacing the Triton fp8 tile below.
+    that Triton tile, see :func:`resolve_config`).
+    Session 23 (commit c7e5ac0, ``benchmarks/results/mla_decode_gluon.h200.md``): fp8 <= 16 rows Gluon N64 s2
+    (0.60 of copy at B16/32K, 0.77-0.79 at B16-64 x 128K), replacing the Triton fp8 tile (TRITON_FP8_CONFIG).
     The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
     sweep at B = 16, 32K, ``chosen``): <= 16 rows bf16 M16 N64 w4 s2 (0.84 of copy bandwidth there, 0.95-1.00
     at B 16/64 x 128K; the third and fourth runs, f5c1d69 and 8d8d43d, measured M16 N32 w4 s3 faster at
@@ -556,13 +584,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     # rows: 245,760 > 232,448 bytes; found by benchmarks/multi_gpu.py's fp32 DeepSeek-V3 run), and on
     # the H200 the GPU test passed at 16 rows with this tile but failed at 64 and 128 rows with the
     # larger ones. fp32 is the reference/test dtype, not a fast path.
-    rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
-    cfg = dict(default_config(rows, torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype),
-               **(config or {}))
-    use_gluon = bool(cfg.get("GLUON", False)) and gluon_eligible(q, kv_cache, R, max_query_len * H)
-    if cfg.get("GLUON", False) and not use_gluon:
-        cfg = dict(TRITON_FP8_CONFIG) if fp8 and q.dtype != torch.float32 else \
-            dict(default_config(rows, torch.bfloat16))
+    cfg, use_gluon = resolve_config(q, kv_cache, R, max_query_len, config)
     BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
     groups = max(1, triton.cdiv(max_query_len * H, BLOCK_M))
     row_bytes = W * kv_cache.element_size()

@@ -116,22 +116,9 @@ def test_fallback_where_gluon_cannot_run():
 
 
 def _gpu_case(H, seq, ql, ks, bs=16, seed=0, qdt=torch.bfloat16):
-    from longflash.attention import ops
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    nb = sum(-(-L // bs) for L in seq) + 8
-    cache = ops.quantize_to_cache(torch.randn(nb, bs, 576, device="cuda", generator=g), torch.float8_e4m3fn, ks)
-    perm = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
-    bt = torch.full((len(seq), max(1, max(-(-L // bs) for L in seq))), -1, dtype=torch.int32, device="cuda")
-    i = 0
-    for b, L in enumerate(seq):
-        n = -(-L // bs)
-        bt[b, :n] = perm[i:i + n]
-        i += n
-    qsl = [0]
-    for n in ql:
-        qsl.append(qsl[-1] + n)
-    q = (torch.randn(qsl[-1], H, 576, device="cuda", generator=g) * 0.5).to(qdt)
-    return q, cache, bt, qsl
+    """(q, fp8 cache, block table, query_start_loc) at real shapes: ``test_triton_mla_decode``'s case builder."""
+    from test_triton_mla_decode import _gpu_case as case
+    return case(H, seq, ql, torch.float8_e4m3fn, ks, bs=bs, seed=seed, qdt=qdt)
 
 
 def _check(out, lse, ro, rl):

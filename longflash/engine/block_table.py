@@ -34,13 +34,19 @@ class BlockTable(list):
         return self._array
 
 
+def block_ids_array(block_ids: list[int]) -> np.ndarray:
+    """int32 [n] array of a block table: the cached copy of a :class:`BlockTable` (read it, do not write
+    it), a fresh conversion of any other list. What every step's host code copies into its table."""
+    return block_ids.as_array() if isinstance(block_ids, BlockTable) else np.asarray(block_ids, dtype=np.int32)
+
+
 def _mutator(name: str):
     base = getattr(list, name)
 
     def method(self, *args, **kwargs):
-        result = base(self, *args, **kwargs)
+        result = base(self, *args, **kwargs)  # list.__iadd__ / __imul__ return self
         self.version += 1
-        return self if name == "__iadd__" or name == "__imul__" else result
+        return result
     method.__name__ = name
     method.__doc__ = f"``list.{name}``, counted in ``version``."
     return method

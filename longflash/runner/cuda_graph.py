@@ -28,6 +28,7 @@ from torch import nn
 
 from longflash.layers.mlp import GatedMLP
 from longflash.runner.context import ForwardContext, set_forward_context
+from longflash.engine.block_table import block_ids_array
 from longflash.runner.step_inputs import StepInputs
 
 logger = logging.getLogger("longflash")
@@ -179,7 +180,7 @@ class DecodeGraphRunner:
             if L:
                 tokens[i * q + 1:(i + 1) * q] = seq.spec_token_ids[:L]
             starts[i] = start
-            table[i, :len(seq.block_table)] = seq.block_table.as_array()  # cached: O(1) per step
+            table[i, :len(seq.block_table)] = block_ids_array(seq.block_table)  # cached: no per-step conversion
         return UniformBatch(q, tokens, starts, table)
 
     def slot_mapping(self, block_table: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from longflash.distributed.comm import single_process_state
+from longflash.engine.block_table import block_ids_array
 from longflash.engine.scheduler import SchedulerOutput
 from longflash.models.base import CausalLM
 from longflash.runner.context import ForwardContext, set_forward_context
@@ -127,7 +128,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             bt = seq.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
-            table[i, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
+            table[i, :len(bt)] = torch.from_numpy(block_ids_array(bt))
             qsl.append(qsl[-1] + n + L)
             seq_lens.append(end)
             ctx_lens.append(start)

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from longflash.engine.block_table import block_ids_array
 from longflash.runner.cuda_graph import GraphCapturer, capture_sizes, release_graphs
 from longflash.runner.step_inputs import StepInputs
 
@@ -57,7 +58,7 @@ class DraftGraphRunner:
             h["input_ids"][t0 + 1:t0 + bk] = mask
             h["positions"][t0:t0 + bk] = range(s, s + bk)
             h["context_lens"][i] = s
-            h["block_table"][i, :len(table)] = table
+            h["block_table"][i, :len(table)] = block_ids_array(table)
             h["block_table"][i, len(table):] = -1
         R = len(requests)
         if rows > R:  # pad rows: no context, the block attends to itself

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from longflash.engine.block_table import block_ids_array
 from longflash.spec_decode.dflash_model import DFlashDraftModel, load_drafter
 from longflash.spec_decode.taps import AuxTapper
 
@@ -173,7 +174,7 @@ class DFlashProposer:
         max_blocks = max(len(r[3]) for r in requests)
         table = torch.full((len(requests), max_blocks), -1, dtype=torch.int32)
         for i, r in enumerate(requests):
-            table[i, :len(r[3])] = torch.tensor(r[3], dtype=torch.int32)
+            table[i, :len(r[3])] = torch.from_numpy(block_ids_array(r[3]))
         dev = self.device
         ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         embeds = self.drafter.embed_block(self.target.model.embed_tokens, ids).to(self.drafter.fc.weight.dtype)

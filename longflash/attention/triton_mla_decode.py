@@ -333,7 +333,14 @@ def gluon_eligible(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, q
         return False
     if interpreting() or kv_lora_rank != 512 or q.shape[-1] != 576 or query_rows > 16:
         return False
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
+    return _gluon_runs_on(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_runs_on(device_index: int) -> bool:
+    """CUDA device ``device_index`` has compute capability >= 8.9 and this Triton has Gluon (cached: the
+    decode wrapper asks at every layer of every eager step)."""
+    if torch.cuda.get_device_capability(device_index) < (8, 9):
         return False
     try:
         from longflash.attention import gluon_mla_decode  # noqa: F401

@@ -5,6 +5,7 @@ ids instead of copying them every step (both were O(context) host work per decod
 import pickle
 
 import numpy as np
+import pytest
 
 from longflash.engine.block_table import BlockTable
 from longflash.engine.sequence import Sequence
@@ -25,6 +26,17 @@ def test_every_mutation_is_counted_and_the_array_follows():
         assert t.as_array().tolist() == list(t)
     t += [6]  # the in-place operators keep the object
     assert isinstance(t, BlockTable) and t.as_array().tolist() == [6]
+    def stops_midway():
+        yield 11
+        raise RuntimeError("stop")
+    try:
+        t.extend(stops_midway())  # the item it got is kept: counted too
+    except RuntimeError:
+        pass
+    assert t.as_array().tolist() == [6, 11] == list(t)
+    with pytest.raises(ValueError):
+        t.as_array()[0] = 0  # the shared copy is read-only
+    t.pop()
     u = pickle.loads(pickle.dumps(t))
     assert isinstance(u, BlockTable) and list(u) == [6] and u.as_array().tolist() == [6]
 

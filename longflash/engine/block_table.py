@@ -12,8 +12,7 @@ class BlockTable(list):
     """``list[int]`` of physical block ids with a mutation counter ``version`` and :meth:`as_array`.
 
     Every mutating list method bumps ``version``; :meth:`as_array` returns a cached int32 numpy array
-    (shape [len(self)]) that is rebuilt when ``version`` moved. The array is shared: callers copy from it
-    and never write to it."""
+    (shape [len(self)], read-only: it is shared) that is rebuilt when ``version`` moved."""
 
     __slots__ = ("version", "_array", "_array_version")
 
@@ -27,16 +26,17 @@ class BlockTable(list):
         return BlockTable, (list(self),)
 
     def as_array(self) -> np.ndarray:
-        """int32 [len(self)] copy of the ids, rebuilt only after a mutation (read-only by convention)."""
+        """int32 [len(self)] copy of the ids, rebuilt only after a mutation; read-only (shared)."""
         if self._array_version != self.version:
-            self._array = np.asarray(self, dtype=np.int32)
+            self._array = np.array(self, dtype=np.int32)
+            self._array.flags.writeable = False  # shared by every reader
             self._array_version = self.version
         return self._array
 
 
 def block_ids_array(block_ids: list[int]) -> np.ndarray:
-    """int32 [n] array of a block table: the cached copy of a :class:`BlockTable` (read it, do not write
-    it), a fresh conversion of any other list. What every step's host code copies into its table."""
+    """int32 [n] array of a block table: the cached, read-only copy of a :class:`BlockTable`, a fresh
+    conversion of any other list. What every step's host code copies into its table."""
     return block_ids.as_array() if isinstance(block_ids, BlockTable) else np.asarray(block_ids, dtype=np.int32)
 
 
@@ -44,9 +44,10 @@ def _mutator(name: str):
     base = getattr(list, name)
 
     def method(self, *args, **kwargs):
-        result = base(self, *args, **kwargs)  # list.__iadd__ / __imul__ return self
-        self.version += 1
-        return result
+        try:
+            return base(self, *args, **kwargs)  # list.__iadd__ / __imul__ return self
+        finally:  # also when it raises midway: extend(iterator) keeps the items it got
+            self.version += 1
     method.__name__ = name
     method.__doc__ = f"``list.{name}``, counted in ``version``."
     return method

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from longflash.distributed.comm import single_process_state
@@ -117,7 +118,7 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         qsl, seq_lens, ctx_lens, is_decode, spans, logits_idx = [0], [], [], [], [], []
         max_blocks = max(len(s.seq.block_table) for s in sched.scheduled)
-        table = torch.full((len(sched.scheduled), max_blocks), -1, dtype=torch.int32)
+        table = np.full((len(sched.scheduled), max_blocks), -1, dtype=np.int32)
         for i, s in enumerate(sched.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             n, L = s.num_new_tokens, s.num_lookahead_tokens
@@ -128,7 +129,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             bt = seq.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
-            table[i, :len(bt)] = torch.from_numpy(block_ids_array(bt))
+            table[i, :len(bt)] = block_ids_array(bt)
             qsl.append(qsl[-1] + n + L)
             seq_lens.append(end)
             ctx_lens.append(start)
@@ -148,7 +149,7 @@ class ModelRunner:
             query_start_loc=to_device_async(qsl, torch.int32, dev),
             seq_lens=to_device_async(seq_lens, torch.int32, dev),
             context_lens=to_device_async(ctx_lens, torch.int32, dev),
-            block_table=table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table.to(dev),
+            block_table=to_device_async(table, torch.int32, dev),
             is_decode=is_decode,
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,

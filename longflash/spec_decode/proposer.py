@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from longflash.engine.block_table import block_ids_array
@@ -172,14 +173,14 @@ class DFlashProposer:
             starts.append(starts[-1] + B)
             ctx_lens.append(s)
         max_blocks = max(len(r[3]) for r in requests)
-        table = torch.full((len(requests), max_blocks), -1, dtype=torch.int32)
+        table = np.full((len(requests), max_blocks), -1, dtype=np.int32)
         for i, r in enumerate(requests):
-            table[i, :len(r[3])] = torch.from_numpy(block_ids_array(r[3]))
+            table[i, :len(r[3])] = block_ids_array(r[3])
         dev = self.device
         ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         embeds = self.drafter.embed_block(self.target.model.embed_tokens, ids).to(self.drafter.fc.weight.dtype)
         hidden = self.drafter(embeds, torch.tensor(positions, dtype=torch.int64, device=dev), starts, ctx_lens,
-                              table.to(dev))
+                              torch.from_numpy(table).to(dev))
         rows = [starts[b] + 1 + j for b, r in enumerate(requests) for j in range(r[2])]
         return self.target.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(
             self.target.lm_head.weight.dtype))

@@ -52,8 +52,7 @@ def latent_dim_of_row(m):
 
 @gluon.constexpr_function
 def _value_load_layout():
-    """Register layout of the ``[4 · 64, 128]`` cache tile (row 64 · chunk + cache row, byte: latent dim =
-    128 · chunk + byte) for the
+    """Register layout of the ``[64, 512]`` cache tile (natural coordinates: cache row, latent dim) for the
     value operand: registers 0-3 are 16 consecutive latent bytes of one row (one 16-byte shared load),
     registers 4-5 rows +1 and +8, 6-7 rows +16, +32; lanes: rows +2, +4 and dims +16..+112; warps: dims +128,
     +256. Each group of 8 lanes reads rows r, r+2, r+4, r+6 x 32 bytes, which the 128-byte NVMMA swizzle
@@ -61,7 +60,7 @@ def _value_load_layout():
     :func:`_value_operand` and the in-thread transpose it becomes the wgmma A fragment of V^T."""
     return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
                                       lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]],
-                                      warp_bases=[[64, 0], [128, 0]], block_bases=[], shape=[256, 128])
+                                      warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[64, 512])
 
 
 @gluon.jit
@@ -94,14 +93,13 @@ def _rows_to_k_major(v):
 def _value_operand(tile, VL: gl.constexpr, OPA: gl.constexpr):
     """V^T [512 logical rows, 64 logical k] fp8 as two halves (rows 0-255, 256-511) in the wgmma A-fragment
     layout ``OPA`` (of a [256, 64] operand) from the cache tile
-    ``tile`` [4 · 64, 128] (fp8 shared memory, four 128-byte column chunks of 64 rows): logical row m is latent dim σ(m) (:func:`latent_dim_of_row`),
+    ``tile`` [64, 512] (fp8 shared memory): logical row m is latent dim σ(m) (:func:`latent_dim_of_row`),
     logical k is cache row π(k) (bits: k0 -> row bit 0, k1 -> 3, k2 -> 1, k3 -> 2, k4 -> 4, k5 -> 5; P^T is
     stored in the same order, :func:`_rows_in_k_order`). 16-byte loads, in-thread transposes, then
     relabellings that move no data: after the transpose an element labelled (row r, dim d) holds the
     value of row bits (0, 3) = its label's dim bits (0, 1) and dim bits 0-3 = its label's dim bits (2, 3)
     and row bits (0, 3); y's bit i below takes x's bit ORDER[i] (x: [r5..r0, d8..d0], y: [k5..k0, m8..m0])."""
-    x = gl.reshape(gl.permute(gl.reshape(tile.load(VL), [4, 64, 128]), (1, 0, 2)), [64, 512])  # [row, dim]
-    x = _rows_to_k_major(x.to(gl.uint8, bitcast=True))
+    x = _rows_to_k_major(tile.load(VL).to(gl.uint8, bitcast=True))
     x = gl.reshape(x, [2] * 15)
     # k5 k4 <- r5 r4; k3 k2 <- r2 r1; k1 k0 <- d1 d0 (true rows 3, 0); m8 m7 <- r3 r0 (true dims 3, 2);
     # m6 <- d3, m3 <- d2 (true dims 1, 0); m5 m4 <- d8 d7; m2 m1 m0 <- d6 d5 d4
@@ -142,19 +140,21 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
     one warpgroup (4 warps), sm_90."""
     gl.static_assert(BLOCK_N == 64, "BLOCK_N must be 64 (one wgmma M block of cache rows)")
     gl.static_assert(STAGES >= 2, "STAGES must be >= 2 (the loop consumes a tile copied one iteration earlier)")
-    # scores S^T [BLOCK_N, 16] and values O^T [512, 16]
+    # scores S^T [BLOCK_N, 32]: columns 0-15 the q rows' first e4m3 term, 16-31 the second
+    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32])
+    # values O^T [512, 16]
     MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32])
     OPA_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=4)
-    # the latent part of a tile and q in 128-byte column chunks (one 128-byte swizzle atom wide each)
     KN_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     KP_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     QN_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     QP_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     P_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # a warp copies 4 rows x 128 bytes
+    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
     CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     VL: gl.constexpr = _value_load_layout()
+    SROW: gl.constexpr = gl.SliceLayout(1, MMA_S)
 
     pid_g = gl.program_id(0)
     pid_s = gl.program_id(1)
@@ -165,7 +165,7 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
     cache8 = cache_ptr.to(gl.pointer_type(gl.float8e4nv), bitcast=True)
 
     # q [16 rows, 576], each row scaled by a power of two 2^e so that its max |q| lies in [2^7, 2^8) (e4m3's max
-    # is 448), written once to shared memory as two e4m3 terms
+    # is 448), written once to shared memory as two e4m3 terms: rows 0-15 the first, 16-31 the second
     mq = pid_g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, QL))
     okq = gl.expand_dims(mq < q_len * H, 1)
     q_row = gl.expand_dims(q_ptr + (q_start + mq // H).to(gl.int64) * stride_qt + (mq % H) * stride_qh, 1)
@@ -176,23 +176,20 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
     amax = gl.maximum(gl.max(gl.abs(q_n), axis=1), gl.max(gl.abs(q_p), axis=1))
     e = 127 + 7 - (((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127)
     qs = gl.where(amax > 0, (gl.minimum(gl.maximum(e, 1), 254) << 23).to(gl.float32, bitcast=True), 1.0)
-    # q's latent part [16, 512] as four 128-byte column chunks stacked: row 16 · chunk + q row
-    qn0_smem = gl.allocate_shared_memory(gl.float8e4nv, [64, 128], QN_SH)
-    qn1_smem = gl.allocate_shared_memory(gl.float8e4nv, [64, 128], QN_SH)
-    qp0_smem = gl.allocate_shared_memory(gl.float8e4nv, [16, 64], QP_SH)
-    qp1_smem = gl.allocate_shared_memory(gl.float8e4nv, [16, 64], QP_SH)
+    qn_smem = gl.allocate_shared_memory(gl.float8e4nv, [32, 512], QN_SH)
+    qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [32, 64], QP_SH)
     n0, n1 = _e4m3_terms(q_n * gl.expand_dims(qs, 1))
-    qn0_smem.store(gl.reshape(gl.permute(gl.reshape(n0, [16, 4, 128]), (1, 0, 2)), [64, 128]))
-    qn1_smem.store(gl.reshape(gl.permute(gl.reshape(n1, [16, 4, 128]), (1, 0, 2)), [64, 128]))
+    qn_smem.slice(0, 16).store(n0)
+    qn_smem.slice(16, 16).store(n1)
     p0, p1 = _e4m3_terms(q_p * gl.expand_dims(qs, 1))
-    qp0_smem.store(p0)
-    qp1_smem.store(p1)
+    qp_smem.slice(0, 16).store(p0)
+    qp_smem.slice(16, 16).store(p1)
 
-    kn_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4 * BLOCK_N, 128], KN_SH)
+    kn_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 512], KN_SH)
     kp_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 64], KP_SH)
     p0_smem = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_N], P_SH)
     p1_smem = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_N], P_SH)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [4 * BLOCK_N, 128], VL), kn_smem.index(0).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [BLOCK_N, 512], VL), kn_smem.index(0).type) == 0)
 
     m_idx = pid_g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, MMA_O))
     row_ok = m_idx < q_len * H
@@ -214,9 +211,8 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
     BTP: gl.constexpr = gl.SliceLayout(1, CPP)
     for st in gl.static_range(STAGES - 1):
         start0 = lo + st * BLOCK_N
-        blk0 = _block_ids(bt_row, start0, hi, BLOCK_N, BLOCK_SIZE, BTN)
-        for c in gl.static_range(4):
-            _copy_rows(kn_smem.index(st).slice(BLOCK_N * c, BLOCK_N), cache8, blk0, start0, hi, 128 * c, 128, BLOCK_N, BLOCK_SIZE, CPN)
+        _copy_rows(kn_smem.index(st), cache8, _block_ids(bt_row, start0, hi, BLOCK_N, BLOCK_SIZE, BTN), start0,
+                   hi, 0, 512, BLOCK_N, BLOCK_SIZE, CPN)
         _copy_rows(kp_smem.index(st), cache8, _block_ids(bt_row, start0, hi, BLOCK_N, BLOCK_SIZE, BTP), start0,
                    hi, 512, 64, BLOCK_N, BLOCK_SIZE, CPP)
         async_copy.commit_group()
@@ -233,8 +229,7 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
         fence_async_shared()  # the tile's cp.async writes (and q's stores), before wgmma reads them
         gl.thread_barrier()  # tile i visible to all warps; every warp is done with iteration i - 1
         nxt = (i + STAGES - 1) % STAGES
-        for c in gl.static_range(4):
-            _copy_rows(kn_smem.index(nxt).slice(BLOCK_N * c, BLOCK_N), cache8, blk_n, start_next, hi, 128 * c, 128, BLOCK_N, BLOCK_SIZE, CPN)
+        _copy_rows(kn_smem.index(nxt), cache8, blk_n, start_next, hi, 0, 512, BLOCK_N, BLOCK_SIZE, CPN)
         _copy_rows(kp_smem.index(nxt), cache8, blk_p, start_next, hi, 512, 64, BLOCK_N, BLOCK_SIZE, CPP)
         async_copy.commit_group()
         start_next = start_next + BLOCK_N
@@ -243,14 +238,13 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
         kn = kn_smem.index(i % STAGES)
         kp = kp_smem.index(i % STAGES)
         # S^T = K · Q^T over the 512 latent and 64 rope dims (async), while the value operand is built
-        s = warpgroup_mma(kp, qp0_smem.permute((1, 0)), gl.zeros([BLOCK_N, 16], gl.float32, MMA_O),
-                          use_acc=False, is_async=True)
-        s = warpgroup_mma(kp, qp1_smem.permute((1, 0)), s, is_async=True)
-        for c in gl.static_range(4):
-            s = warpgroup_mma(kn.slice(BLOCK_N * c, BLOCK_N), qn0_smem.slice(16 * c, 16).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(kn.slice(BLOCK_N * c, BLOCK_N), qn1_smem.slice(16 * c, 16).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
+        s2 = warpgroup_mma(kn, qn_smem.permute((1, 0)), gl.zeros([BLOCK_N, 32], gl.float32, MMA_S),
+                           use_acc=False, is_async=True)
+        s2 = warpgroup_mma(kp, qp_smem.permute((1, 0)), s2, is_async=True)
         v0, v1 = _value_operand(kn, VL, OPA_O)
+        s2 = warpgroup_mma_wait(0, deps=[s2])
+        t0, t1 = gl.split(gl.permute(gl.reshape(s2, [BLOCK_N, 2, 16]), (0, 2, 1)))
+        s = gl.convert_layout(t0 + t1, MMA_O)  # [BLOCK_N, 16]: both have cache rows on M and q on N
         # online softmax (base 2) per q column
         n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_O))
         keep = gl.expand_dims(row_ok, 0) & gl.expand_dims(n < hi, 1) & (gl.expand_dims(n, 1) < gl.expand_dims(vis, 0))

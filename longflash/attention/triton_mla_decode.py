@@ -319,7 +319,7 @@ def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stri
 # rows per step, num_stages cp.async buffers, 4 warps). Where it cannot run (CPU interpreter, widths other
 # than 512 + 64, no sm_89+) the Triton tile below takes its place (``resolve_config``); fp32 queries take
 # the 16-row bf16 tile.
-GLUON_FP8_CONFIG = {"GLUON": True, "WGMMA": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False,
+GLUON_FP8_CONFIG = {"GLUON": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False,
                     "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2}
 TRITON_FP8_CONFIG = {"GLUON": False, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
                      "F16": True, "PREFETCH": False, "occupancy": 2}
@@ -349,19 +349,6 @@ def _gluon_runs_on(device_index: int) -> bool:
     return True
 
 
-def wgmma_eligible(q: torch.Tensor) -> bool:
-    """Whether the Gluon fp8 call (:func:`gluon_eligible` already true) can take the Hopper ``wgmma`` stage 1
-    (``gluon_mla_decode_sm90``): bf16 queries on a device of compute capability 9.0."""
-    return q.dtype == torch.bfloat16 and q.is_cuda and _capability(q.device.index if q.device.index is not None
-                                                     else torch.cuda.current_device()) == (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    """The compute capability of CUDA device ``device_index`` (cached: asked at every layer of every eager step)."""
-    return torch.cuda.get_device_capability(device_index)
-
-
 def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, max_query_len: int,
                    config: dict | None = None) -> tuple[dict, bool]:
     """The tile a call runs and whether the Gluon kernel runs it: ``config`` (keys of :func:`default_config`)
@@ -369,9 +356,7 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     :func:`gluon_eligible` says no, or ``config`` sets ``GLUON=False`` over a Gluon default, the Triton tile
     for that shape (``TRITON_FP8_CONFIG`` at <= 16 rows) takes the Gluon default's place, with the
     caller's other keys applied on top. fp32 queries over an fp8 cache always take the 16-row bf16 tile
-    (see the note in :func:`mla_decode_attention`). A Gluon tile keeps ``WGMMA`` (the sm_90 ``wgmma`` kernel)
-    only where :func:`wgmma_eligible` says yes and BLOCK_N is 64; elsewhere it is set False (the
-    ``mma.sync`` Gluon kernel runs).
+    (see the note in :func:`mla_decode_attention`).
     Raises ValueError for a Gluon tile the kernel does not support (BLOCK_N not 32/64, num_stages < 2,
     num_warps not 4, BLOCK_M not 16)."""
     fp8 = kv_cache.dtype == FP8_DTYPE
@@ -388,8 +373,6 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     elif cfg["BLOCK_N"] not in (32, 64) or cfg["num_stages"] < 2 or cfg["num_warps"] != 4 or cfg["BLOCK_M"] != 16:
         raise ValueError(f"the Gluon fp8 decode tile needs BLOCK_M 16, BLOCK_N 32 or 64, num_stages >= 2 and "
                          f"num_warps 4, got {cfg}")
-    else:
-        cfg["WGMMA"] = bool(cfg.get("WGMMA", False)) and cfg["BLOCK_N"] == 64 and wgmma_eligible(q)
     return cfg, use_gluon
 
 
@@ -448,9 +431,8 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
         cvt = dict(tr, V_RELOAD=False, CVT_SMEM=True)
         # (session 23: N32 under a 168-register cap, three programs per SM, measured 0.56 vs 0.57 and now spills
         # 8 bytes: not a candidate)
-        # (session 24: the default is the sm_90 wgmma kernel; WGMMA=False is session 23's mma.sync default)
-        cands = [dict(g, WGMMA=False), dict(g, num_stages=3, occupancy=1), dict(g, BLOCK_N=32, num_stages=2),
-                 dict(g, BLOCK_N=32, num_stages=4), tr, pre, cvt]
+        cands = [dict(g, num_stages=3, occupancy=1), dict(g, BLOCK_N=32, num_stages=2), dict(g, BLOCK_N=32, num_stages=4),
+                 tr, pre, cvt]
     elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
                     PREFETCH=False, occupancy=2)  # run 2's default
@@ -631,11 +613,9 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                   **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not interp else {}))
     grid = (groups, S, B)
     qk_scale = float(scale) * ks * LOG2E
-    if use_gluon and cfg["WGMMA"]:
-        from longflash.attention.gluon_mla_decode_sm90 import mla_decode_fp8_wgmma_stage1 as stage1
-    elif use_gluon:
-        from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1 as stage1
     if use_gluon:
+        from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
+        stage1 = mla_decode_fp8_stage1
         common = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, STAGES=cfg["num_stages"],
                       HAS_VIS=visible_lens is not None, num_warps=4,
                       **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))

@@ -255,7 +255,7 @@ def test_fresh_draft_state_per_request_and_rollback(tiny_ds, tmp_path):
     seen = set()
     calls = iter(range(10_000))
 
-    def oracle(reqs):
+    def oracle(reqs, masks=None):
         out = []
         for pending, s, n, _ in reqs:
             j = next(calls) % B  # cycle the rejection point through 0..B−1

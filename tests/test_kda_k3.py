@@ -140,7 +140,7 @@ def test_k3_tiny_dflash_verify_with_state_rollback_equals_target_only(k3_tiny, t
     full = PROMPTS[0] + refs[0]
     seen, calls = set(), iter(range(10_000))
 
-    def oracle(reqs):
+    def oracle(reqs, masks=None):
         out = []
         for _, s, n, _ in reqs:
             j = next(calls) % B

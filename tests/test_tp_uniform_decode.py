@@ -128,8 +128,8 @@ def test_chained_dflash_steps_under_tp_equal_single_process(tp, dcp):
         chained = []
         use = eng._use_chained_drafts
 
-        def counting_use(seq, n):
-            r = use(seq, n)
+        def counting_use(seq, n, unmasked=True):
+            r = use(seq, n, unmasked)
             chained.append(r)
             return r
         eng._use_chained_drafts = counting_use

@@ -204,8 +204,8 @@ def test_chained_drafts_equal_fresh_proposals():
     taken = []
     use = engine._use_chained_drafts
 
-    def checking_use(seq, n):
-        ok = use(seq, n)
+    def checking_use(seq, n, unmasked=True):
+        ok = use(seq, n, unmasked)
         if ok:
             fresh = engine.proposer.propose([(seq.token_ids[-1], seq.num_computed_tokens, n, seq.block_table)])[0]
             taken.append(fresh == seq.spec_token_ids)

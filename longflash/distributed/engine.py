@@ -139,9 +139,9 @@ class _Rank0Runner(DCPModelRunner):
         with self._step():
             return super().execute(sched, all_logits, tapper, proposer)
 
-    def propose(self, proposer, requests):
+    def propose(self, proposer, requests, masks=None):
         with self._step():
-            return super().propose(proposer, requests)
+            return super().propose(proposer, requests, masks)
 
     def _name_dead_worker(self, error: Exception, wait_s: float = 2.0) -> None:
         """A step failed (typically a collective: "Connection closed by peer"): if a local worker

@@ -56,11 +56,15 @@ class DraftMirror:
             into its draft pool since its previous post, in write order (applied first).
         requests: draft requests (``DFlashProposer.propose`` arguments); empty with a step.
         capture: with a step: whether its forward captures the taps (fc outputs) for later writes.
+        masks: the requests' draft masks (``DFlashProposer.propose``'s ``masks``; None: unmasked). A
+            worker drafts with the same masks, so its drafts (and its choice of graph or eager
+            forward, whose collectives must pair with rank 0's) are rank 0's.
     """
 
     commits: list[tuple[int, int]]
     requests: list[tuple[int, int, int, list[int]]]
     capture: bool = False
+    masks: list | None = None
 
 
 @dataclasses.dataclass
@@ -150,11 +154,11 @@ class DCPModelRunner(ModelRunner):
         """Rank 0, before posting a step: raise if a worker is known to be gone (the locally started
         ones: ``_Rank0Runner``); a no-op here."""
 
-    def propose(self, proposer, requests):
-        """Post the requests (workers draft them too, after the pending draft-pool writes), draft,
-        and compare every rank's drafts with rank 0's."""
-        self.channel.post(DraftMirror(self._take_commits(), requests), plain=True)
-        drafts = proposer.propose(requests)
+    def propose(self, proposer, requests, masks=None):
+        """Post the requests and their draft masks (workers draft them too, after the pending
+        draft-pool writes), draft, and compare every rank's drafts with rank 0's."""
+        self.channel.post(DraftMirror(self._take_commits(), requests, masks=masks), plain=True)
+        drafts = proposer.propose(requests, masks)
         self._check_drafts(drafts)
         return drafts
 
@@ -263,7 +267,7 @@ class DCPModelRunner(ModelRunner):
                 return
             if isinstance(msg, DraftMirror):  # draft with rank 0
                 self._write_commits(msg.commits)
-                self._check_drafts(self.proposer.propose(msg.requests))
+                self._check_drafts(self.proposer.propose(msg.requests, msg.masks))
                 continue
             if isinstance(msg, UniformStep):
                 self._write_commits(msg.commits)

@@ -23,6 +23,7 @@ from longflash.runner.cuda_graph import prepare_uniform_model
 from longflash.runner.model_runner import ModelRunner
 from longflash.runner.sampler import compute_logprobs, needs_logits_processing, process_logits, sample_token
 from longflash.sampling_params import RequestOutputKind, SamplingParams
+from longflash.spec_decode.draft_mask import draft_mask
 
 logger = logging.getLogger("longflash")
 
@@ -651,10 +652,17 @@ class LLMEngine:
             self._capture_graphs()
         drafting = [s for s in sched.scheduled if s.num_lookahead_tokens]
         if drafting:
-            drafting = [s for s in drafting if not self._use_chained_drafts(s.seq, s.num_lookahead_tokens)]
+            # The sampler's vocabulary masks (allowed_token_ids, min_tokens) also apply to the drafts
+            # (spec_decode/draft_mask.py); a masked request never takes the (unmasked) chained drafts.
+            masks = [draft_mask(s.seq.sampling_params, s.seq.num_output_tokens, self.eos_token_ids) for s in drafting]
+            keep = [not self._use_chained_drafts(s.seq, s.num_lookahead_tokens, m is None)
+                    for s, m in zip(drafting, masks)]
+            drafting = [s for s, k in zip(drafting, keep) if k]
+            masks = [m for m, k in zip(masks, keep) if k]
         if drafting:
             drafts = self.runner.propose(self.proposer, [(s.seq.token_ids[-1], s.seq.num_computed_tokens,
-                                                          s.num_lookahead_tokens, s.seq.block_table) for s in drafting])
+                                                          s.num_lookahead_tokens, s.seq.block_table) for s in drafting],
+                                         masks if any(m is not None for m in masks) else None)
             for s, d in zip(drafting, drafts):
                 s.seq.spec_token_ids = d
         res = self.runner.execute(sched, proposer=self.proposer)
@@ -713,12 +721,15 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _use_chained_drafts(seq: Sequence, num_drafts: int) -> bool:
+    def _use_chained_drafts(seq: Sequence, num_drafts: int, unmasked: bool = True) -> bool:
         """Take the drafts the previous (chained) step computed on the device for ``seq`` when it
         committed what that step assumed (the same next position and pending token: the drafter's
-        context and block input are then exactly those of a fresh proposal). Returns True if taken."""
+        context and block input are then exactly those of a fresh proposal) and its drafts need no
+        vocabulary mask (``unmasked``: the chained drafts are the plain argmax). Returns True if taken;
+        the chained drafts are dropped either way."""
         c, seq.chained_drafts = seq.chained_drafts, None
-        if c is None or c[0] != seq.num_computed_tokens or c[1] != seq.token_ids[-1] or len(c[2]) < num_drafts:
+        if c is None or not unmasked or c[0] != seq.num_computed_tokens or c[1] != seq.token_ids[-1] \
+                or len(c[2]) < num_drafts:
             return False
         seq.spec_token_ids = c[2][:num_drafts]
         return True

@@ -163,10 +163,10 @@ class ModelRunner:
             ctx.extras["state_verify"] = [s.num_lookahead_tokens > 0 for s in sched.scheduled]
         return to_device_async(input_ids, torch.int64, dev), ctx, spans
 
-    def propose(self, proposer, requests: list[tuple[int, int, int, list[int]]]) -> list[list[int]]:
-        """Draft tokens of a DFlash ``proposer`` (``DFlashProposer.propose``); the DCP runner also has
-        every worker rank draft the same requests."""
-        return proposer.propose(requests)
+    def propose(self, proposer, requests: list[tuple[int, int, int, list[int]]], masks=None) -> list[list[int]]:
+        """Draft tokens of a DFlash ``proposer`` (``DFlashProposer.propose``, with its per-request draft
+        ``masks`` or None); the DCP runner also has every worker rank draft the same requests."""
+        return proposer.propose(requests, masks)
 
     def write_draft_context(self, proposer, res: StepResult, first_row: int, num_rows: int) -> None:
         """Write the draft-pool context K/V of rows ``[first_row, first_row + num_rows)`` of the

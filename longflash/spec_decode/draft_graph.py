@@ -9,6 +9,13 @@ on the device; the host reads the [R, B - 1] draft tokens once. Graphs: one per 
 (``cuda_graph.capture_sizes``), captured largest first into the engine's shared pool; pad rows have
 no context and their drafts are ignored. Batches larger than the largest bucket, or requests whose
 block table outgrows ``max_model_len``, take the proposer's general path.
+
+Vocabulary masks (``spec_decode.draft_mask``: a request's ``allowed_token_ids`` and min_tokens): a batch
+with a masked request replays the bucket's *masked* graph, the same block forward with
+``apply_draft_masks`` between the LM head and the argmax, reading the persistent mask codes [R, vocab]
+(uint8, written by device ops before the replay) and the ``stop_until`` counts (in the step inputs).
+Unmasked batches replay the plain graphs and pay nothing for it. The chained drafts of
+:meth:`DraftGraphRunner.draft_after_verify` are unmasked: the engine drafts masked requests afresh.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from longflash.engine.block_table import block_ids_array
 from longflash.runner.cuda_graph import GraphCapturer, capture_sizes, release_graphs
 from longflash.runner.step_inputs import StepInputs
+from longflash.spec_decode.draft_mask import apply_draft_masks, write_mask_codes
 
 logger = logging.getLogger("longflash")
 
@@ -41,47 +49,62 @@ class DraftGraphRunner:
         bk, max_r = self.num_drafts + 1, self.buckets[-1]
         self.inputs = StepInputs({
             "input_ids": (torch.int64, (max_r * bk,)), "positions": (torch.int64, (max_r * bk,)),
-            "context_lens": (torch.int32, (max_r,)), "block_table": (torch.int32, (max_r, self.max_blocks))}, device)
+            "context_lens": (torch.int32, (max_r,)), "block_table": (torch.int32, (max_r, self.max_blocks)),
+            "stop_until": (torch.int32, (max_r,))}, device)
+        # Vocabulary-mask codes per request row (draft_mask.write_mask_codes), read by the masked graphs:
+        # max_num_seqs x vocab bytes (64 x 163840: 10 MiB).
+        self.mask_codes = torch.zeros(max_r, proposer.target.lm_head.vocab_size, dtype=torch.uint8, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.masked_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_time_s = 0.0
         self.pad_like_graph = False  # eager runs padded to the bucket with the capacity bound (tests)
 
-    def _fill(self, requests, rows: int) -> int:
-        """Write the requests (then pad rows up to ``rows``) and copy; returns the largest context."""
+    def _fill(self, requests, rows: int, masks=None) -> int:
+        """Write the requests (then pad rows up to ``rows``) and copy; returns the largest context.
+        ``masks``: the requests' draft masks (``DFlashProposer.propose``'s), written into the mask
+        codes and ``stop_until`` (pad rows unmasked), or None (the codes are then left as they are:
+        only masked forwards read them)."""
         inp = self.inputs
         inp.begin()
         h = inp.host
-        bk, mask = self.num_drafts + 1, self.proposer.mask_token_id
+        h["stop_until"][:rows] = 0
+        if masks is not None:
+            h["stop_until"][:len(masks)] = write_mask_codes(self.mask_codes, masks, rows)
+        bk, mask_token = self.num_drafts + 1, self.proposer.mask_token_id
         for i, (pending, s, _, table) in enumerate(requests):
             t0 = i * bk
             h["input_ids"][t0] = pending
-            h["input_ids"][t0 + 1:t0 + bk] = mask
+            h["input_ids"][t0 + 1:t0 + bk] = mask_token
             h["positions"][t0:t0 + bk] = range(s, s + bk)
             h["context_lens"][i] = s
             h["block_table"][i, :len(table)] = block_ids_array(table)
             h["block_table"][i, len(table):] = -1
         R = len(requests)
         if rows > R:  # pad rows: no context, the block attends to itself
-            h["input_ids"][R * bk:rows * bk] = mask
+            h["input_ids"][R * bk:rows * bk] = mask_token
             h["positions"][R * bk:rows * bk] = list(range(bk)) * (rows - R)
             h["context_lens"][R:rows] = 0
             h["block_table"][R:rows] = 0
         inp.copy_to_device()
         return max((r[1] for r in requests), default=0)
 
-    def _forward(self, rows: int, max_context_len: int) -> torch.Tensor:
-        """Draft tokens [rows, n] int64 (argmax of the target's LM head over draft slots 1..n)."""
+    def _forward(self, rows: int, max_context_len: int, masked: bool = False) -> torch.Tensor:
+        """Draft tokens [rows, n] int64 (argmax of the target's LM head over draft slots 1..n), with the
+        persistent mask codes and ``stop_until`` applied when ``masked``."""
         d = self.inputs.dev
         bk = self.num_drafts + 1
+        masks = (self.mask_codes[:rows], d["stop_until"][:rows]) if masked else None
         return self.block_forward(d["input_ids"][:rows * bk], d["positions"][:rows * bk], d["context_lens"][:rows],
-                                  d["block_table"][:rows], max_context_len)
+                                  d["block_table"][:rows], max_context_len, masks)
 
     def block_forward(self, ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
-                      block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+                      block_table: torch.Tensor, max_context_len: int, masks=None) -> torch.Tensor:
         """The drafter's block forward from device tensors (no host sync): ids / positions [R·Bk] int64
         (blocks ``[pending, MASK x (Bk - 1)]`` at positions s..s+Bk-1), context_lens [R] (= s),
         block_table [R, max_blocks] int32, ``max_context_len`` a host bound of context_lens. Returns the
-        draft tokens [R, Bk - 1] int64 (argmax of the target's LM head over slots 1..Bk-1)."""
+        draft tokens [R, Bk - 1] int64 (argmax of the target's LM head over slots 1..Bk-1). ``masks``:
+        None, or (mask codes [R, vocab] uint8, stop_until [R] int32) applied to the slots' logits before
+        the argmax (``draft_mask.apply_draft_masks``)."""
         p = self.proposer
         bk = self.num_drafts + 1
         rows = context_lens.shape[0]
@@ -89,6 +112,8 @@ class DraftGraphRunner:
         hidden = p.drafter.forward_padded(embeds, positions, context_lens, block_table, max_context_len)
         slots = hidden.view(rows, bk, -1)[:, 1:].reshape(rows * self.num_drafts, -1)
         logits = p.target.compute_logits(slots.to(p.target.lm_head.weight.dtype))
+        if masks is not None:
+            apply_draft_masks(logits.view(rows, self.num_drafts, -1), *masks)
         return torch.argmax(logits, dim=-1).view(rows, self.num_drafts)
 
     def draft_after_verify(self, input_ids: torch.Tensor, logits: torch.Tensor, q: int, context_lens: torch.Tensor,
@@ -126,37 +151,42 @@ class DraftGraphRunner:
     def release(self) -> None:
         """Destroy the captured drafter graphs (``cuda_graph.release_graphs``); drafting runs eagerly."""
         release_graphs(self.graphs)
+        release_graphs(self.masked_graphs)
 
     def capture(self) -> None:
-        """Capture one graph per batch bucket, largest first, into the shared pool."""
+        """Capture two graphs per batch bucket, masked and plain, largest first, into the shared pool."""
         if self.capturer is None:
             raise RuntimeError("CUDA graphs are off for this drafter (no capturer)")
         t0 = time.perf_counter()
         for b in sorted(self.buckets, reverse=True):
-            self._fill([], b)
-            graph, best = self.capturer.capture(lambda: self._forward(b, self.capacity))
-            self.graphs[b] = (graph, best)
+            for masked, graphs in ((True, self.masked_graphs), (False, self.graphs)):
+                self._fill([], b, [] if masked else None)
+                graph, best = self.capturer.capture(lambda: self._forward(b, self.capacity, masked))
+                graphs[b] = (graph, best)
         torch.cuda.synchronize(self.capturer.device)
         self.capture_time_s = time.perf_counter() - t0
-        logger.info("CUDA graphs: %d DFlash drafter graphs (block of %d, batch buckets %s) captured in %.2f s",
-                    len(self.buckets), self.num_drafts + 1, self.buckets, self.capture_time_s)
+        logger.info("CUDA graphs: %d DFlash drafter graphs (block of %d, batch buckets %s, plain and masked) "
+                    "captured in %.2f s", 2 * len(self.buckets), self.num_drafts + 1, self.buckets, self.capture_time_s)
 
-    def propose(self, requests) -> list[list[int]] | None:
+    def propose(self, requests, masks=None) -> list[list[int]] | None:
         """Drafts for ``DFlashProposer.propose`` requests (each its first n of the B - 1 slots), or
-        None when they exceed the largest bucket or a block table outgrows ``max_model_len``."""
+        None when they exceed the largest bucket or a block table outgrows ``max_model_len``.
+        ``masks``: their draft masks (``DFlashProposer.propose``'s; None when no request is masked:
+        the plain graphs)."""
         R = len(requests)
         if not R or R > self.buckets[-1] or any(n > self.num_drafts or len(t) > self.max_blocks
                                                 for _, _, n, t in requests):
             return None
+        masked = masks is not None
         bucket = next(b for b in self.buckets if b >= R)
-        graph = self.graphs.get(bucket)
+        graph = (self.masked_graphs if masked else self.graphs).get(bucket)
         if graph is not None:
-            self._fill(requests, bucket)
+            self._fill(requests, bucket, masks)
             graph[0].replay()
             best = graph[1][:R]
         elif self.pad_like_graph:
-            self._fill(requests, bucket)
-            best = self._forward(bucket, self.capacity)[:R]
+            self._fill(requests, bucket, masks)
+            best = self._forward(bucket, self.capacity, masked)[:R]
         else:
-            best = self._forward(R, self._fill(requests, R))
+            best = self._forward(R, self._fill(requests, R, masks), masked)
         return [row[:n] for row, (_, _, n, _) in zip(best.tolist(), requests)]

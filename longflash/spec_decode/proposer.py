@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from longflash.engine.block_table import block_ids_array
+from longflash.runner.step_inputs import to_device_async
 from longflash.spec_decode.dflash_model import DFlashDraftModel, load_drafter
+from longflash.spec_decode.draft_mask import DraftMask, apply_draft_masks, write_mask_codes
 from longflash.spec_decode.taps import AuxTapper
 
 logger = logging.getLogger("longflash")
@@ -138,24 +140,46 @@ class DFlashProposer:
         self.drafter.write_context(h_ctx.to(self.pool_dtype), positions, slot_mapping)
 
     @torch.inference_mode()
-    def propose(self, requests: list[tuple[int, int, int, list[int]]]) -> list[list[int]]:
+    def propose(self, requests: list[tuple[int, int, int, list[int]]],
+                masks: list[DraftMask | None] | None = None) -> list[list[int]]:
         """Draft tokens for each (pending_token, position s, num_drafts, block_table) request.
 
         The context of a request is its draft-pool rows for positions < s. Returns per request
-        ``num_drafts`` argmax tokens (slots 1..num_drafts of the block). With :meth:`enable_uniform`
-        the block forward runs on persistent inputs (CUDA graphs), reading the drafts with one
-        device -> host copy.
+        ``num_drafts`` argmax tokens (slots 1..num_drafts of the block). ``masks``: per request, the
+        :class:`~longflash.spec_decode.draft_mask.DraftMask` of its sampler (``allowed_token_ids``,
+        min_tokens) applied to its draft logits before the argmax, or None (all None: unmasked). With
+        :meth:`enable_uniform` the block forward runs on persistent inputs (CUDA graphs: a plain one, or
+        the masked one when a request is masked), reading the drafts with one device -> host copy.
+        Raises ValueError if ``masks`` does not have one entry per request.
         """
+        if masks is not None and len(masks) != len(requests):
+            raise ValueError(f"{len(requests)} draft requests but {len(masks)} masks")
+        if masks is not None and all(m is None for m in masks):
+            masks = None
         if self.uniform is not None:
-            drafts = self.uniform.propose(requests)
+            drafts = self.uniform.propose(requests, masks)
             if drafts is not None:
                 return drafts
-        best = torch.argmax(self.draft_logits(requests), dim=-1).tolist()
+        logits = self.draft_logits(requests)
+        if masks is not None:
+            self._mask_draft_logits(logits, requests, masks)
+        best = torch.argmax(logits, dim=-1).tolist()
         out, k = [], 0
         for _, _, n, _ in requests:
             out.append(best[k:k + n])
             k += n
         return out
+
+    def _mask_draft_logits(self, logits: torch.Tensor, requests, masks: list[DraftMask | None]) -> None:
+        """In place on :meth:`draft_logits`' rows: each masked request's slots get its masks
+        (``draft_mask.apply_draft_masks``, the function the uniform / CUDA-graph path applies)."""
+        codes = torch.empty(len(requests), logits.shape[1], dtype=torch.uint8, device=logits.device)
+        until = to_device_async(write_mask_codes(codes, masks), torch.int32, logits.device)
+        first = 0
+        for i, ((_, _, n, _), m) in enumerate(zip(requests, masks)):
+            if m is not None and n:
+                apply_draft_masks(logits[first:first + n][None], codes[i:i + 1], until[i:i + 1])
+            first += n
 
     @torch.inference_mode()
     def draft_logits(self, requests: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:

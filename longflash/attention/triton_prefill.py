@@ -1,0 +1,397 @@
+"""Triton flash attention with LSE for the MLA prefill's dense attention: same signature and result as
+:func:`longflash.attention.ops.attention_with_lse` (the reference; ``tests/test_triton_prefill.py``
+compares them), without the reference's [H, Tq, Tk] score buffer.
+
+Algorithm: the FlashAttention-2 forward pass (Dao 2023, "FlashAttention-2: Faster Attention with Better
+Parallelism and Work Partitioning", Algorithm 1). One program per (head, BLOCK_M queries) keeps its
+query tile on chip and walks the keys BLOCK_N at a time: ``s = q · kᵀ`` with ``tl.dot`` (bf16/fp16
+operands, fp32 accumulation; fp32 inputs take IEEE fp32 products), an online softmax in base 2 (the
+softmax scale times log2(e) is folded into one multiplier, so ``exp2`` replaces ``exp``), and
+``acc = acc · 2^(m_old − m_new) + p · v``. At the end ``out = acc / l`` and the natural-log LSE is
+``(m + log2 l) · ln 2``; a query that sees no key keeps ``l = 0`` and gets output 0 and LSE −inf,
+as the reference.
+
+Work layout:
+- the query/key width D is split into a power-of-two part and a remainder (192 = 128 + 64, DeepSeek-V3's
+  qk_nope 128 + rope 64), so no dot runs on padding; other widths pad each part to a power of two >= 16
+  with masked lanes. Dv pads to a power of two >= 16 likewise.
+- causal (query i sees keys j <= i + causal_offset): the key loop stops at the last tile any query of
+  the program sees, and the tiles that every query of the program sees in full run without masks; only
+  the few tiles on the diagonal (and the ragged end of Tk) apply the mask. Both kinds of step compute
+  a visible score alike, so a query's result does not depend on which tile it falls in (a prompt split
+  into prefill chunks at any token gets the same bits; tested on the GPU).
+- grid (H, cdiv(Tq, BLOCK_M)) with the head the fastest axis and the query tiles in reverse order: the
+  programs with the most causal work start first (a longest-first schedule), and the heads that share a
+  single KV head's tiles run together.
+
+Memory: O((Tq + Tk) · H · D) (the inputs and the output), against the reference's O(H · Tq · Tk) fp32
+scores. FLOPs of a causal call ≈ 2 · H · (D + Dv) · (visible query-key pairs).
+
+In the CPU interpreter (``TRITON_INTERPRET=1``) the key loops are ``while`` loops (a ``for`` over
+run-time tensor bounds fails there); on the GPU they are ``for`` loops that Triton software-pipelines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+
+import torch
+import triton
+import triton.language as tl
+
+from longflash.ops.triton_env import interpreting
+from longflash.ops.triton_math import dot_acc
+
+LOG2E = 1.4426950408889634
+
+# Tile configs: BLOCK_M queries x BLOCK_N keys per step, num_warps, and num_stages (depth of the software
+# pipeline of the key/value loads: cp.async into multi-buffered shared memory). All are Hopper
+# FlashAttention-2 shapes (8 warps = two warpgroups over 128 query rows, wgmma on both dots; or one over
+# 64 rows); benchmarks/prefill_attention.py times them. At D = 192, Dv = 128 (bf16, sm_90;
+# tests/test_triton_prefill.py compiles them) none spills: 128x128 s2 uses 255 registers and 208 KB of
+# shared memory, 128x64 s2 198 and 128 KB, s3 172 KB, 64x64 w4 s2 104 KB (two programs per SM).
+# H200, 16 heads, D 192 / Dv 128 bf16 (benchmarks/prefill_attention.py; bf16 GEMM measured at ~790
+# TFLOP/s): causal 16K x 16K, 128x128 s2 3.09 ms (445 TFLOP/s, 0.57 of the GEMM rate), 128x64 s3 3.15;
+# non-causal 4K x 32K chunk, 128x64 s3 3.18 ms, 128x128 s2 3.21. In an earlier run of all five (the
+# same kernel before the masked and unmasked steps were made alike, ~3% slower): causal 16K 128x64 s4
+# 3.29, 64x64 3.71, 128x64 s2 4.11 ms; causal 4K 128x128 s2 0.22 ms. For comparison, the in-place
+# PyTorch form took 107.9 / 47.0 ms and cuDNN's SDPA (no LSE) 2.24 / 2.03 ms.
+PREFILL_CONFIGS: dict[str, dict] = {
+    "m128_n128_w8_s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+    "m128_n64_w8_s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "m128_n64_w8_s4": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+    "m128_n64_w8_s2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+    "m64_n64_w4_s2": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+}
+# The default for bf16/fp16 is the first config in this order whose operand buffers fit
+# (:func:`smem_bytes` <= SMEM_BUDGET): wider heads than DeepSeek-V3's fall back to smaller tiles.
+DEFAULT_ORDER = ("m128_n128_w8_s2", "m128_n64_w8_s3", "m128_n64_w8_s2", "m64_n64_w4_s2")
+SMEM_BUDGET = 220 * 1024  # sm_90: 227 KB per block, less a margin for the compiler's scratch
+FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
+# The interpreter runs a program's tiles as NumPy ops: small tiles keep the CPU tests fast and put
+# several tiles (and the causal diagonal) inside the tests' short sequences.
+INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def split_width(d: int) -> tuple[int, int]:
+    """(D1, D2) tile widths of a query/key width ``d`` >= 1: D1 the largest power of two <= d (at least
+    16, tl.dot's minimum), D2 a power of two >= 16 covering the rest, 0 if none (192 -> (128, 64),
+    48 -> (32, 16), 24 -> (16, 16), 8 -> (16, 0)). Raises ValueError for d < 1."""
+    if d < 1:
+        raise ValueError(f"head width must be >= 1, got {d}")
+    d1 = max(16, 1 << (d.bit_length() - 1))
+    return d1, (max(16, triton.next_power_of_2(d - d1)) if d > d1 else 0)
+
+
+@triton.jit
+def _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk, causal_offset, qk_scale,
+              stride_kt, stride_vt, D: tl.constexpr, DV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              IEEE: tl.constexpr):
+    """One BLOCK_N-key step of the online softmax for the program's query tile. ``MASKED``: apply the
+    Tk bound and (``CAUSAL``) the causal rule, and guard rows that have seen no key yet (m = −inf);
+    otherwise every (query, key) pair of the tile is visible."""
+    n = start + tl.arange(0, BLOCK_N)
+    d1 = tl.arange(0, D1)
+    dv = tl.arange(0, BLOCK_DV)
+    koff = start.to(tl.int64) * stride_kt
+    voff = start.to(tl.int64) * stride_vt
+    if MASKED:
+        nm = n < Tk
+        k1 = tl.load(k_ptrs1 + koff, mask=nm[:, None] & (d1 < D)[None, :], other=0.0)
+    elif D1 > D:
+        k1 = tl.load(k_ptrs1 + koff, mask=(d1 < D)[None, :], other=0.0)
+    else:
+        k1 = tl.load(k_ptrs1 + koff)
+    if IEEE:
+        k1 = k1.to(tl.float32)
+    s = dot_acc(q1, tl.trans(k1), None, IEEE)
+    if D2 > 0:
+        d2 = D1 + tl.arange(0, D2)
+        if MASKED:
+            k2 = tl.load(k_ptrs2 + koff, mask=nm[:, None] & (d2 < D)[None, :], other=0.0)
+        elif D1 + D2 > D:
+            k2 = tl.load(k_ptrs2 + koff, mask=(d2 < D)[None, :], other=0.0)
+        else:
+            k2 = tl.load(k_ptrs2 + koff)
+        if IEEE:
+            k2 = k2.to(tl.float32)
+        s = dot_acc(q2, tl.trans(k2), s, IEEE)
+    # NOTE: the mask goes on the raw dot and both paths then run the same operations (max, then one
+    # FMA per score), so a query's result does not depend on whether the other queries of its tile made
+    # a key tile masked: the same query gets the same bits wherever its chunk starts. Needs qk_scale > 0.
+    if MASKED:
+        ok = nm[None, :]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= rows[:, None] + causal_offset)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: p = 0
+        v = tl.load(v_ptrs + voff, mask=nm[:, None] & (dv < DV)[None, :], other=0.0)
+    else:
+        m_use = m_new
+        if BLOCK_DV > DV:
+            v = tl.load(v_ptrs + voff, mask=(dv < DV)[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs + voff)
+    if IEEE:
+        v = v.to(tl.float32)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk, causal_offset,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                        stride_ot, stride_oh, stride_lt, D: tl.constexpr, DV: tl.constexpr,
+                        D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    """Grid (H, cdiv(Tq, BLOCK_M)); the last dimension of every tensor is contiguous (stride 1); a
+    head stride of 0 broadcasts one KV head. ``qk_scale`` = softmax scale · log2(e)."""
+    h = tl.program_id(0).to(tl.int64)
+    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest (causal) work first
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < Tq
+    rows64 = rows.to(tl.int64)
+    d1 = tl.arange(0, D1)
+    dv = tl.arange(0, BLOCK_DV)
+    q_base = q_ptr + h * stride_qh + rows64[:, None] * stride_qt
+    q1 = tl.load(q_base + d1[None, :], mask=row_ok[:, None] & (d1 < D)[None, :], other=0.0)
+    if IEEE:
+        q1 = q1.to(tl.float32)
+    q2 = q1  # unused when D2 == 0
+    n = tl.arange(0, BLOCK_N)
+    k_ptrs1 = k_ptr + h * stride_kh + n.to(tl.int64)[:, None] * stride_kt + d1[None, :]
+    k_ptrs2 = k_ptrs1
+    if D2 > 0:
+        d2 = D1 + tl.arange(0, D2)
+        q2 = tl.load(q_base + d2[None, :], mask=row_ok[:, None] & (d2 < D)[None, :], other=0.0)
+        if IEEE:
+            q2 = q2.to(tl.float32)
+        k_ptrs2 = k_ptr + h * stride_kh + n.to(tl.int64)[:, None] * stride_kt + d2[None, :]
+    v_ptrs = v_ptr + h * stride_vh + n.to(tl.int64)[:, None] * stride_vt + dv[None, :]
+
+    # key range: [0, full_end) is visible to every query of the tile (no mask), [full_end, hi) needs one
+    if CAUSAL:
+        hi = tl.minimum(Tk, tl.maximum(m0 + BLOCK_M + causal_offset, 0))
+        full_end = tl.minimum(hi, tl.maximum(m0 + causal_offset + 1, 0))
+    else:
+        hi = Tk
+        full_end = Tk
+    full_end = (full_end // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # NOTE: each loop appears twice on purpose: the compiled kernel needs `range` for Triton's pipeliner,
+    # the interpreter a `while` over tensor bounds; the step itself is `_key_tile`.
+    if INTERPRET:
+        start = full_end * 0
+        while start < full_end:
+            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk,
+                                      causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
+                                      BLOCK_N, False, CAUSAL, IEEE)
+            start += BLOCK_N
+        while start < hi:
+            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk,
+                                      causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
+                                      BLOCK_N, True, CAUSAL, IEEE)
+            start += BLOCK_N
+    else:
+        for start in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk,
+                                      causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
+                                      BLOCK_N, False, CAUSAL, IEEE)
+        for start in range(full_end, hi, BLOCK_N):
+            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk,
+                                      causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
+                                      BLOCK_N, True, CAUSAL, IEEE)
+
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc * tl.where(seen, 1.0 / l_safe, 0.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_ptrs = out_ptr + h * stride_oh + rows64[:, None] * stride_ot + dv[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :])
+    tl.store(lse_ptr + h + rows64 * stride_lt, lse, mask=row_ok)
+
+
+def smem_bytes(config: dict, d: int, dv: int, elem: int = 2) -> int:
+    """Shared memory of a config's operand buffers in bytes: the query tile plus ``num_stages`` key and
+    value tiles (``elem`` bytes per element; padded widths). Matches the compiled kernel's allocation
+    at D 192 / Dv 128 bf16 (128 KB for 128x64 s2, 208 KB for 128x128 s2)."""
+    d1, d2 = split_width(d)
+    bdv = max(16, triton.next_power_of_2(dv))
+    return elem * (config["BLOCK_M"] * (d1 + d2)
+                   + max(1, config["num_stages"]) * config["BLOCK_N"] * (d1 + d2 + bdv))
+
+
+def default_config(dtype: torch.dtype, d: int = 192, dv: int = 128) -> dict:
+    """The tile config a call with no ``config`` runs: ``INTERPRET_CONFIG`` under the interpreter,
+    ``FP32_CONFIG`` for fp32 inputs, else the first of ``DEFAULT_ORDER`` whose operand buffers fit in
+    ``SMEM_BUDGET`` (the smallest tile if none does)."""
+    if interpreting():
+        return dict(INTERPRET_CONFIG)
+    if dtype == torch.float32:
+        return dict(FP32_CONFIG)
+    for name in DEFAULT_ORDER:
+        if smem_bytes(PREFILL_CONFIGS[name], d, dv) <= SMEM_BUDGET:
+            return dict(PREFILL_CONFIGS[name])
+    return dict(PREFILL_CONFIGS[DEFAULT_ORDER[-1]])
+
+
+def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int = 192, dv: int = 128) -> dict:
+    """The tile config a call runs: ``config`` (a ``PREFILL_CONFIGS`` name, or a dict with BLOCK_M,
+    BLOCK_N, num_warps, num_stages whose missing keys come from the default) or, if None,
+    :func:`default_config` for ``dtype`` and widths ``d`` / ``dv``.
+    Raises ValueError for an unknown name, unknown keys, or tile sizes that are not powers of two >= 16."""
+    if config is None:
+        return default_config(dtype, d, dv)
+    if isinstance(config, str):
+        if config not in PREFILL_CONFIGS:
+            raise ValueError(f"unknown prefill config {config!r}; known: {sorted(PREFILL_CONFIGS)}")
+        return dict(PREFILL_CONFIGS[config])
+    base = dict(FP32_CONFIG if dtype == torch.float32 else PREFILL_CONFIGS[DEFAULT_ORDER[0]])
+    unknown = set(config) - set(base)
+    if unknown:
+        raise ValueError(f"unknown prefill config keys {sorted(unknown)}; allowed: {sorted(base)}")
+    cfg = {**base, **config}
+    for key in ("BLOCK_M", "BLOCK_N"):
+        b = cfg[key]
+        if not isinstance(b, int) or b < 16 or b & (b - 1):
+            raise ValueError(f"{key} must be a power of two >= 16, got {b!r}")
+    return cfg
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be 3-D ([T, heads, width]), got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    H = q.shape[1]
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must have the same number of keys, got {k.shape[0]} and {v.shape[0]}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[1] not in (1, H):
+            raise ValueError(f"{name} must have 1 or {H} heads (q's), got {t.shape[1]}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q and k widths differ: {q.shape[2]} vs {k.shape[2]}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype of {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.is_cuda or interpreting()):
+        raise ValueError("the Triton prefill kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                         "Triton is imported)")
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       causal_offset: int | None, *, config: dict | str | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of one request with its log-sum-exp, as one Triton kernel (FlashAttention-2
+    forward, Dao 2023); the result of :func:`longflash.attention.ops.attention_with_lse` (fp32
+    softmax) up to fp32 rounding and, for bf16/fp16, the rounding of the probabilities to the input
+    dtype before the ``p · v`` product (as every flash-attention kernel does).
+
+    Args:
+        q: [Tq, H, D] fp16, bf16 or fp32; any strides with a contiguous last dimension (others are copied).
+        k: [Tk, H or 1, D], v: [Tk, H or 1, Dv], q's dtype and device; a single KV head broadcasts to all
+            H query heads (read once per head, never expanded in memory); views such as a split of a
+            wider [Tk, H, nope + Dv] projection are read through their strides.
+        scale: softmax scale applied to q · k, a finite float > 0 (e.g. (qk_nope + rope) ** -0.5).
+        causal_offset: None = non-causal; an int = query i sees keys j <= i + causal_offset (may be
+            negative, so leading queries see nothing, or >= Tk, so all see everything).
+        config: tile config override (``PREFILL_CONFIGS`` name or dict, see :func:`resolve_config`);
+            benchmarks sweep it.
+    Returns:
+        out [Tq, H, Dv] in q's dtype; lse [Tq, H] fp32, natural log of Σ_j exp(scale · q·k_j) over the
+        visible keys. A query that sees no key (Tk == 0, or a negative causal_offset) gets out 0 and
+        lse −inf. Tq == 0 or Tk == 0 launch nothing. No host sync.
+    Raises:
+        ValueError on mismatched shapes, dtypes or devices, a scale that is not finite and > 0, or off
+        CUDA without the interpreter;
+        TypeError for a causal_offset that is neither None nor an int.
+    """
+    if causal_offset is not None:
+        if isinstance(causal_offset, bool) or not hasattr(causal_offset, "__index__"):
+            raise TypeError(f"causal_offset must be None or an int, got {causal_offset!r}")
+        causal_offset = operator.index(causal_offset)
+    if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    _check(q, k, v)
+    Tq, H, D = q.shape
+    Tk, Dv = k.shape[0], v.shape[2]
+    out = torch.empty((Tq, H, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Tq, H), dtype=torch.float32, device=q.device)
+    if Tq == 0 or H == 0:
+        return out, lse
+    if Tk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    causal = causal_offset is not None
+    # query i sees nothing below -i (every key j >= 0) and everything from Tk - 1 - i on: clamping to
+    # [-Tq, Tk] keeps every answer and the argument in int32
+    off = max(-Tq, min(Tk, causal_offset)) if causal else 0
+    cfg = resolve_config(q.dtype, config, D, Dv)
+    interp = interpreting()  # NOTE: the interpreter's bf16/fp16 dots are wrong: it widens to fp32 dots
+    d1, d2 = split_width(D)
+    grid = (H, triton.cdiv(Tq, cfg["BLOCK_M"]))
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _prefill_fwd_kernel[grid](
+            q, k, v, out, lse, float(scale) * LOG2E, Tq, Tk, off,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1) if k.shape[1] > 1 else 0,
+            v.stride(0), v.stride(1) if v.shape[1] > 1 else 0, out.stride(0), out.stride(1), lse.stride(0),
+            D=D, DV=Dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=q.dtype == torch.float32 or interp, INTERPRET=interp,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+
+def compile_fwd(config: dict, dtype: str = "bf16", d: int = 192, dv: int = 128, causal: bool = True,
+                target=None):
+    """Compile the kernel ahead of time without a GPU (Triton's ``triton.compile``; the sm_90 checks in
+    ``tests/test_triton_prefill.py``). ``config``: a tile dict as in ``PREFILL_CONFIGS``; ``dtype``:
+    Triton's name of the input dtype ("bf16", "fp16", "fp32"); ``target``: a
+    ``triton.backends.compiler.GPUTarget``, default sm_90. Pointers and the token/head strides are
+    marked 16-divisible, as the JIT marks them for real tensors. Returns the ``CompiledKernel``
+    (``.asm["ptx"]``, ``.metadata.shared``). Raises ValueError for an unknown dtype name."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32', got {dtype!r}")
+    cfg = resolve_config(torch.float32 if dtype == "fp32" else torch.bfloat16, dict(config))
+    d1, d2 = split_width(d)
+    sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+           "lse_ptr": "*fp32", "qk_scale": "fp32",
+           **{n: "i32" for n in ("Tq", "Tk", "causal_offset", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                                 "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_lt")}}
+    const = dict(D=d, DV=dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=cfg["BLOCK_M"],
+                 BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=dtype == "fp32", INTERPRET=False)
+    sig.update({c: "constexpr" for c in const})
+    names = list(sig)
+    div = [n for n in names if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_lt")]
+    src = ASTSource(fn=_prefill_fwd_kernel, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
+    return triton.compile(src, target=target or GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+
+
+def dispatch_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``triton_ops.attention_with_lse`` (the MLA prefill's dense attention for a CUDA cache): this
+    module's kernel (:func:`attention_with_lse`) for CUDA tensors, the in-place PyTorch form
+    (:func:`longflash.attention.ops.attention_with_lse_inplace`, same arguments and results) for any
+    other device. Same arguments, returns and errors as the function it calls."""
+    if q.is_cuda:
+        return attention_with_lse(q, k, v, scale, causal_offset)
+    from longflash.attention.ops import attention_with_lse_inplace
+    return attention_with_lse_inplace(q, k, v, scale, causal_offset)

@@ -53,13 +53,18 @@ def test_inplace_pieces_merge_to_whole():
     assert torch.allclose(lse, whole_lse, rtol=1e-6, atol=1e-6)
 
 
-def test_gpu_prefill_takes_the_inplace_form():
-    """The MLA prefill calls ``cache_ops(cache).attention_with_lse``: the in-place form for a CUDA
-    cache (``triton_ops``), the reference for a CPU cache (``ops``)."""
+def test_gpu_prefill_takes_the_flash_kernel():
+    """The MLA prefill calls ``cache_ops(cache).attention_with_lse``: for a CUDA cache ``triton_ops``'s,
+    which runs the Triton flash-attention kernel (``triton_prefill``) on CUDA tensors and the in-place
+    form on others; the reference for a CPU cache (``ops``)."""
     pytest.importorskip("triton")
-    from longflash.attention import mla, triton_ops
-    assert triton_ops.attention_with_lse is ops.attention_with_lse_inplace
+    from longflash.attention import mla, triton_ops, triton_prefill
+    assert triton_ops.attention_with_lse is triton_prefill.dispatch_attention_with_lse
     assert mla.cache_ops(torch.empty(1, 16, 8)).attention_with_lse is ops.attention_with_lse
+    q, k, v = _case(9, 13, 2, 1, 24, 16, torch.float32, seed=4)
+    got, got_lse = triton_ops.attention_with_lse(q, k, v, 0.2, -2)
+    want, want_lse = ops.attention_with_lse_inplace(q, k, v, 0.2, -2)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

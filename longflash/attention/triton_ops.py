@@ -5,8 +5,9 @@
 - ``gather_and_maybe_dequant_cache``: one program per tile of ``BLOCK_T`` output rows reads each row of
   request ``token_to_seq[t]`` at its position through the block table and dequantizes (``fp8 · k_scale``).
 - ``merge_attn_states``: one program per (token, head) merges two partial results by LSE.
-- ``attention_with_lse`` (the MLA prefill's dense attention): no Triton kernel yet; the in-place
-  PyTorch form of the reference (``ops.attention_with_lse_inplace``, half its memory traffic).
+- ``attention_with_lse`` (the MLA prefill's dense attention): the FlashAttention-2 kernel of
+  ``triton_prefill.py`` for CUDA tensors (no [H, Tq, Tk] score buffer); the in-place PyTorch form of
+  the reference (``ops.attention_with_lse_inplace``) for tensors on any other device.
 
 Both cache kernels are memory-bound: whole 576-wide rows per program (a 512- and a 64-wide tile, no
 masked lanes), 16-byte accesses, the row metadata (slot; request, position, block) read once per row.
@@ -40,7 +41,7 @@ import triton
 import triton.language as tl
 
 from longflash.attention.ops import FP8_DTYPE
-from longflash.attention.ops import attention_with_lse_inplace as attention_with_lse  # noqa: F401
+from longflash.attention.triton_prefill import dispatch_attention_with_lse as attention_with_lse  # noqa: F401
 
 
 @triton.jit

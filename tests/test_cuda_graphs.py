@@ -55,14 +55,31 @@ def test_graph_replay_equals_eager_padded_step(spec):
 
 
 def test_generation_with_graphs_equals_eager_padded_engine():
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    """Greedy generation with graphs equals the eager padded engine token for token, up to a near-tie: graph
+    replay and the eager padded step agree to 1e-3 of the logits' scale (the test above), not bitwise, so where
+    the two best tokens' logprobs are within 1e-3 of each other the engines may pick differently (seen on an
+    H200 once the prefill ran the Triton flash kernel, session 24: " death" / " doom" at token 28 of the third
+    prompt, logprobs equal to 7 digits). A divergence must be such a tie in both runs, at most one prompt may
+    have one, and the continuations after it are not compared."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
     graphs = LLM(**KW)
     eager = LLM(enforce_eager=True, **KW)
     eager.engine.runner.decode_runner.pad_like_graph = True
     eager.engine.proposer.uniform.pad_like_graph = True
     a = graphs.generate(PROMPTS, params)
     b = eager.generate(PROMPTS, params)
-    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    ties = 0
+    for oa, ob in zip(a, b):
+        ta, tb = oa.outputs[0].token_ids, ob.outputs[0].token_ids
+        assert len(ta) == len(tb) == 48
+        i = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if i is None:
+            continue
+        ties += 1
+        for lp in (oa.outputs[0].logprobs[i], ob.outputs[0].logprobs[i]):
+            assert ta[i] in lp and tb[i] in lp, (i, ta[i], tb[i], lp)  # both are a run's top-2 at the divergence
+            assert abs(lp[ta[i]].logprob - lp[tb[i]].logprob) <= 1e-3, (i, lp)
+    assert ties <= 1, ties
     assert min(o.metrics.mean_acceptance_length for o in a) > 1.0
 
 

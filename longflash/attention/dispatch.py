@@ -12,8 +12,8 @@ from longflash.attention import ops
 def cache_ops(cache: torch.Tensor):
     """The module implementing the cache write / gather / merge ops (``concat_and_cache_mla``,
     ``reshape_and_cache``, ``gather_and_maybe_dequant_cache``, ``merge_attn_states``) and the prefill's
-    dense attention for ``cache``'s device: ``triton_ops`` on a GPU (the attention: the in-place
-    PyTorch form), ``ops`` elsewhere."""
+    dense attention for ``cache``'s device: ``triton_ops`` on a GPU (the attention: the FlashAttention-2
+    kernel of ``triton_prefill``), ``ops`` elsewhere."""
     if cache.is_cuda:
         from longflash.attention import triton_ops
         return triton_ops

@@ -168,8 +168,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 def attention_with_lse_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention_with_lse` (same arguments, results and math) with less memory traffic: the GPU
-    prefill's dense attention (``triton_ops.attention_with_lse``; no Triton kernel yet).
+    """:func:`attention_with_lse` (same arguments, results and math) with less memory traffic: the dense
+    attention of ``triton_ops.attention_with_lse`` for tensors that are not on a GPU (CUDA tensors take the
+    FlashAttention-2 kernel of ``triton_prefill``; this was the GPU prefill's form before session 24).
 
     The one [H, Tq, Tk] fp32 score buffer is updated in place (scale, causal mask, ``exp(s - m)``) and
     the division by the row sum is applied to the [Tq, H, Dv] output instead of the probabilities:

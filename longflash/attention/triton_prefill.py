@@ -88,6 +88,21 @@ def split_width(d: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _load_rows(ptrs, n, Tk, c, C: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """A [BLOCK_N, BLOCK_C] tile of key / value rows ``n`` at ``ptrs``, columns ``c`` (< C real): rows >= Tk
+    (only under ``MASKED``) and padding columns read as 0; widened to fp32 under ``IEEE``."""
+    if MASKED:
+        x = tl.load(ptrs, mask=(n < Tk)[:, None] & (c < C)[None, :], other=0.0)
+    elif BLOCK_C > C:
+        x = tl.load(ptrs, mask=(c < C)[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if IEEE:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk, causal_offset, qk_scale,
               stride_kt, stride_vt, D: tl.constexpr, DV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
@@ -100,47 +115,26 @@ def _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk, 
     dv = tl.arange(0, BLOCK_DV)
     koff = start.to(tl.int64) * stride_kt
     voff = start.to(tl.int64) * stride_vt
-    if MASKED:
-        nm = n < Tk
-        k1 = tl.load(k_ptrs1 + koff, mask=nm[:, None] & (d1 < D)[None, :], other=0.0)
-    elif D1 > D:
-        k1 = tl.load(k_ptrs1 + koff, mask=(d1 < D)[None, :], other=0.0)
-    else:
-        k1 = tl.load(k_ptrs1 + koff)
-    if IEEE:
-        k1 = k1.to(tl.float32)
+    k1 = _load_rows(k_ptrs1 + koff, n, Tk, d1, D, D1, MASKED, IEEE)
     s = dot_acc(q1, tl.trans(k1), None, IEEE)
     if D2 > 0:
-        d2 = D1 + tl.arange(0, D2)
-        if MASKED:
-            k2 = tl.load(k_ptrs2 + koff, mask=nm[:, None] & (d2 < D)[None, :], other=0.0)
-        elif D1 + D2 > D:
-            k2 = tl.load(k_ptrs2 + koff, mask=(d2 < D)[None, :], other=0.0)
-        else:
-            k2 = tl.load(k_ptrs2 + koff)
-        if IEEE:
-            k2 = k2.to(tl.float32)
+        # the second part's columns D1 + d2 (< D real): D - D1 of its D2
+        k2 = _load_rows(k_ptrs2 + koff, n, Tk, tl.arange(0, D2), D - D1, D2, MASKED, IEEE)
         s = dot_acc(q2, tl.trans(k2), s, IEEE)
     # NOTE: the mask goes on the raw dot and both paths then run the same operations (max, then one
     # FMA per score), so a query's result does not depend on whether the other queries of its tile made
     # a key tile masked: the same query gets the same bits wherever its chunk starts. Needs qk_scale > 0.
     if MASKED:
-        ok = nm[None, :]
+        ok = (n < Tk)[None, :]
         if CAUSAL:
             ok = ok & (n[None, :] <= rows[:, None] + causal_offset)
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: p = 0
-        v = tl.load(v_ptrs + voff, mask=nm[:, None] & (dv < DV)[None, :], other=0.0)
     else:
         m_use = m_new
-        if BLOCK_DV > DV:
-            v = tl.load(v_ptrs + voff, mask=(dv < DV)[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptrs + voff)
-    if IEEE:
-        v = v.to(tl.float32)
+    v = _load_rows(v_ptrs + voff, n, Tk, dv, DV, BLOCK_DV, MASKED, IEEE)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 class RequestMetrics:
     """Per-request timings (seconds since the epoch, ``time.time()``) and counters.
 
-    ``mean_acceptance_length`` is tokens committed per target forward in decode (1.0 without
-    speculative decoding; bonus token included with it).
+    ``mean_acceptance_length`` is tokens committed per target forward after the first token (decode steps,
+    and the recompute prefill of a preempted request, which commits one): 1.0 without speculative decoding;
+    bonus token included with it.
     """
 
     arrival_time: float

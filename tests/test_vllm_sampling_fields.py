@@ -75,6 +75,17 @@ def test_offline_allowed_token_ids_and_truncation(llm):
         llm.generate("hi", SamplingParams(truncate_prompt_tokens=129))
     with pytest.raises(ValueError, match="allowed_token_ids contains 100000, outside the vocabulary"):
         llm.generate("hi", SamplingParams(allowed_token_ids=[1, 100000]))
+    # every allowed id is an EOS / stop id that min_tokens masks: refused when added (it used to fail in the
+    # sampler with a PyTorch error, or, greedy, emit a masked token)
+    eos = sorted(llm.engine.eos_token_ids)
+    for bad in (SamplingParams(allowed_token_ids=eos, min_tokens=3, max_tokens=8),
+                SamplingParams(allowed_token_ids=[40, 41], stop_token_ids=[40, 41], min_tokens=1, max_tokens=8,
+                               temperature=0.8, seed=0)):
+        with pytest.raises(ValueError, match="all EOS / stop_token_ids, which min_tokens"):
+            llm.generate("hi", bad)
+    ok = llm.generate("hi", SamplingParams(allowed_token_ids=[40, 41], stop_token_ids=[40], min_tokens=2,
+                                           max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    assert ok[:2] == [41, 41]  # 40 masked before min_tokens, then allowed
 
 
 def test_truncated_prompt_text_is_vllms(llm):

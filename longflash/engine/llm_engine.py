@@ -495,7 +495,8 @@ class LLMEngine:
 
         Returns the request id. Raises ValueError (nothing is queued) for invalid input (also logprobs
         above ``max_logprobs``, token ids of ``allowed_token_ids`` / ``logit_bias`` / ``stop_token_ids``
-        outside the vocabulary), RuntimeError after :meth:`shutdown`.
+        outside the vocabulary, an ``allowed_token_ids`` made only of EOS / stop ids with ``min_tokens`` > 0),
+        RuntimeError after :meth:`shutdown`.
         """
         if getattr(self, "_shut_down", False):
             raise RuntimeError("this engine was shut down; create a new one")
@@ -523,6 +524,12 @@ class LLMEngine:
             bad = [t for t in token_ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        if params.allowed_token_ids is not None and params.min_tokens > 0 and \
+                set(params.allowed_token_ids) <= self.eos_token_ids | set(params.stop_token_ids):
+            # every allowed id is masked until min_tokens (sampler.process_logits): nothing could be sampled
+            raise ValueError(f"allowed_token_ids {sorted(set(params.allowed_token_ids))} are all EOS / stop_token_ids, "
+                             f"which min_tokens={params.min_tokens} forbids before that many tokens: no token can be "
+                             "sampled")
         ids = self._truncated(ids, params.truncate_prompt_tokens)
         if params.n != 1:
             raise ValueError(f"n must be 1 for LLMEngine.add_request, got {params.n}; LLM.generate and the "
@@ -697,8 +704,8 @@ class LLMEngine:
                 if not tokens:
                     self.block_manager.cache_full_blocks(seq)
                     continue
-                if decoding:
-                    seq.metrics.num_decode_steps += 1
+                if decoding or seq.num_output_tokens > 0:  # a token after the first (a decode step, or the
+                    seq.metrics.num_decode_steps += 1   # recompute prefill of a preempted request)
                 for t in tokens:
                     self._append(seq, t, now)
                     if seq.is_finished:

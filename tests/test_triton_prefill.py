@@ -24,6 +24,7 @@ outputs be exactly 0.
 import json
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,14 +163,18 @@ def test_bad_input_raises():
     for args, msg in cases:
         with pytest.raises(ValueError, match=msg):
             tp.attention_with_lse(*args)
-    for scale in (0.0, -0.3, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="scale"):
+    for scale in (0.0, -0.3, float("inf"), float("nan"), np.float32(-1.0)):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            tp.attention_with_lse(q, k, v, scale, 0)
+    for scale in (True, torch.tensor(0.3), "0.3"):
+        with pytest.raises(TypeError, match="scale must be a real number"):
             tp.attention_with_lse(q, k, v, scale, 0)
     for off in (True, 1.5, "0"):
         with pytest.raises(TypeError, match="causal_offset"):
             tp.attention_with_lse(q, k, v, 0.3, off)
     for cfg, msg in (("m1", "unknown prefill config"), (dict(BLOCK_K=16), "unknown prefill config keys"),
-                     (dict(BLOCK_M=48), "power of two"), (dict(BLOCK_N=8), "power of two")):
+                     (dict(BLOCK_M=48), "power of two"), (dict(BLOCK_N=8), "power of two"),
+                     (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")):
         with pytest.raises(ValueError, match=msg):
             tp.resolve_config(torch.bfloat16, cfg)
     assert tp.split_width(192) == (128, 64) and tp.split_width(48) == (32, 16)
@@ -291,6 +296,8 @@ def test_default_config_fits_shared_memory(monkeypatch):
     assert tp.default_config(torch.bfloat16, 192, 128) == tp.PREFILL_CONFIGS["m128_n128_w8_s2"]
     assert tp.default_config(torch.bfloat16, 256, 256) == tp.PREFILL_CONFIGS["m128_n64_w8_s2"]
     assert tp.default_config(torch.float32, 192, 128) == tp.FP32_CONFIG
+    # widths no tile fits go to the PyTorch form (dispatch_attention_with_lse); every current model's fit
+    assert tp.fits(192, 128) and tp.fits(48, 32) and tp.fits(256, 256) and not tp.fits(576, 512)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tp.default_config(torch.bfloat16, 192, 128) == tp.INTERPRET_CONFIG
 

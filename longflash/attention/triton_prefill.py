@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import operator
 
 import torch
@@ -232,7 +233,8 @@ def smem_bytes(config: dict, d: int, dv: int, elem: int = 2) -> int:
 def default_config(dtype: torch.dtype, d: int = 192, dv: int = 128) -> dict:
     """The tile config a call with no ``config`` runs: ``INTERPRET_CONFIG`` under the interpreter,
     ``FP32_CONFIG`` for fp32 inputs, else the first of ``DEFAULT_ORDER`` whose operand buffers fit in
-    ``SMEM_BUDGET`` (the smallest tile if none does)."""
+    ``SMEM_BUDGET`` (the smallest tile if none does: it will not launch on sm_90; :func:`dispatch_attention_with_lse`
+    sends such widths to the PyTorch form, see :func:`fits`)."""
     if interpreting():
         return dict(INTERPRET_CONFIG)
     if dtype == torch.float32:
@@ -243,11 +245,18 @@ def default_config(dtype: torch.dtype, d: int = 192, dv: int = 128) -> dict:
     return dict(PREFILL_CONFIGS[DEFAULT_ORDER[-1]])
 
 
+def fits(d: int, dv: int) -> bool:
+    """Whether some 16-bit tile of ``DEFAULT_ORDER`` fits ``SMEM_BUDGET`` at widths ``d`` / ``dv`` (D 192 /
+    Dv 128: the 128 x 128 tile, 208 KB; D 576 / Dv 512 would need 352 KB even at the smallest tile)."""
+    return any(smem_bytes(PREFILL_CONFIGS[name], d, dv) <= SMEM_BUDGET for name in DEFAULT_ORDER)
+
+
 def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int = 192, dv: int = 128) -> dict:
     """The tile config a call runs: ``config`` (a ``PREFILL_CONFIGS`` name, or a dict with BLOCK_M,
     BLOCK_N, num_warps, num_stages whose missing keys come from the default) or, if None,
     :func:`default_config` for ``dtype`` and widths ``d`` / ``dv``.
-    Raises ValueError for an unknown name, unknown keys, or tile sizes that are not powers of two >= 16."""
+    Raises ValueError for an unknown name, unknown keys, tile sizes that are not powers of two >= 16,
+    num_warps not a power of two in 1..16, or num_stages not an int >= 1."""
     if config is None:
         return default_config(dtype, d, dv)
     if isinstance(config, str):
@@ -263,6 +272,11 @@ def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int 
         b = cfg[key]
         if not isinstance(b, int) or b < 16 or b & (b - 1):
             raise ValueError(f"{key} must be a power of two >= 16, got {b!r}")
+    w, st = cfg["num_warps"], cfg["num_stages"]
+    if not isinstance(w, int) or isinstance(w, bool) or w not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be a power of two in 1..16, got {w!r}")
+    if not isinstance(st, int) or isinstance(st, bool) or st < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {st!r}")
     return cfg
 
 
@@ -312,14 +326,17 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     Raises:
         ValueError on mismatched shapes, dtypes or devices, a scale that is not finite and > 0, or off
         CUDA without the interpreter;
-        TypeError for a causal_offset that is neither None nor an int.
+        TypeError for a causal_offset that is neither None nor an int, or a scale that is not a real number
+        (Python or NumPy float/int; not a bool or a tensor).
     """
     if causal_offset is not None:
         if isinstance(causal_offset, bool) or not hasattr(causal_offset, "__index__"):
             raise TypeError(f"causal_offset must be None or an int, got {causal_offset!r}")
         causal_offset = operator.index(causal_offset)
-    if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (a float), got {type(scale).__name__}")
+    if not 0 < float(scale) < math.inf:
+        raise ValueError(f"scale must be a finite number > 0, got {float(scale)!r}")
     _check(q, k, v)
     Tq, H, D = q.shape
     Tk, Dv = k.shape[0], v.shape[2]
@@ -382,10 +399,11 @@ def compile_fwd(config: dict, dtype: str = "bf16", d: int = 192, dv: int = 128, 
 def dispatch_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                 causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``triton_ops.attention_with_lse`` (the MLA prefill's dense attention for a CUDA cache): this
-    module's kernel (:func:`attention_with_lse`) for CUDA tensors, the in-place PyTorch form
+    module's kernel (:func:`attention_with_lse`) for CUDA tensors whose widths a tile fits (:func:`fits`:
+    every current model's), the in-place PyTorch form
     (:func:`longflash.attention.ops.attention_with_lse_inplace`, same arguments and results) for any
-    other device. Same arguments, returns and errors as the function it calls."""
-    if q.is_cuda:
+    other device or wider heads. Same arguments, returns and errors as the function it calls."""
+    if q.is_cuda and (q.dtype == torch.float32 or fits(q.shape[-1], v.shape[-1])):
         return attention_with_lse(q, k, v, scale, causal_offset)
     from longflash.attention.ops import attention_with_lse_inplace
     return attention_with_lse_inplace(q, k, v, scale, causal_offset)

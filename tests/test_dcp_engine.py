@@ -209,3 +209,31 @@ def test_ctrl_c_in_the_middle_of_a_step_exits_promptly(tmp_path):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_killed_rank_0_stops_its_workers_with_one_clear_line(tmp_path):
+    """SIGKILL of rank 0 between steps (the workers wait for the next step): each worker stops with one line
+    naming rank 0, not with c10d's TCPStore warning and C++ stack trace (the store's host is rank 0; a local
+    worker checks its parent first), and no worker outlives it."""
+    import subprocess
+    import sys
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal\n"
+                      "from longflash import LLM, SamplingParams\n"
+                      "if __name__ == '__main__':\n"
+                      "    llm = LLM(tensor_parallel_size=2, max_num_seqs=2, kv_cache_memory='64MiB')\n"
+                      "    llm.generate(['def f(x):'], SamplingParams(max_tokens=3), use_tqdm=False)\n"
+                      "    print('PID', os.getpid(), flush=True)\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=240)   # the pipe closes when the workers (which share it) are gone too
+        assert p.returncode == -signal.SIGKILL, out[-3000:]
+        pid = out.split("PID ")[1].split()[0]
+        assert f"TP/DCP worker rank 1: rank 0 (pid {pid}) exited; stopping" in out, out[-3000:]
+        assert "TCPStore" not in out and "Failed to recv" not in out, out[-3000:]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)

@@ -24,6 +24,7 @@ import datetime
 import inspect
 import io
 import logging
+import multiprocessing
 import os
 import pickle
 import socket
@@ -423,6 +424,17 @@ def initialize_model_parallel(tp_size: int, dcp_size: int, cp_kv_cache_interleav
     return _state
 
 
+def _rank0_check(key: str) -> bool:
+    """A worker: whether store key ``key`` is set. Raises ConnectionError naming rank 0 when it is gone: a
+    local worker first checks its parent process (rank 0 started it), because a store call to a dead rank 0
+    (the store's host) fails only after c10d has printed a warning with a C++ stack trace; a worker on
+    another host learns it from the store's own error (torch.distributed.DistNetworkError)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():
+        raise ConnectionError(f"rank 0 (pid {parent.pid}, this worker's parent) exited")
+    return _store.check([key])
+
+
 class StepChannel:
     """Rank 0 (the scheduler) sends each step's batch to the workers, in order.
 
@@ -470,7 +482,7 @@ class StepChannel:
     def recv(self):
         self.step += 1
         if self.link is not None:
-            data = self.link.read(lambda: _store.check([f"{self.prefix}/alive"]))  # raises if rank 0 is gone
+            data = self.link.read(lambda: _rank0_check(f"{self.prefix}/alive"))  # raises if rank 0 is gone
             if data is None:
                 return self.group.broadcast_object(None, src=0)
             if data[:1] == b"p":
@@ -478,7 +490,7 @@ class StepChannel:
             return _unpack(torch.frombuffer(bytearray(data[1:]), dtype=torch.uint8), _device)
         key = f"{self.prefix}/{self.step}"
         nap, t0 = 5e-5, time.monotonic()
-        while not _store.check([key]):   # raises if rank 0 (the store's host) is gone
+        while not _rank0_check(key):   # raises if rank 0 (the store's host) is gone
             time.sleep(nap)
             if time.monotonic() - t0 > self.BUSY_S:  # idle: back off (busy steps come within BUSY_S)
                 nap = min(nap * 2, self.MAX_NAP_S)

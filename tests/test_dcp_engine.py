@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -175,23 +176,28 @@ def test_llm_unknown_engine_argument_names_it():
         LLM(gpu_memory_utilization=0.5)
 
 
+def _start_script(path, source: str):
+    """Write ``source`` to ``path`` and start it with this Python in its own session (a process group to signal),
+    the repository on PYTHONPATH, one OpenMP thread, stdout and stderr together in a text pipe."""
+    import subprocess
+    import sys
+    path.write_text(source)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"), start_new_session=True)
+
+
 def test_ctrl_c_in_the_middle_of_a_step_exits_promptly(tmp_path):
     """Ctrl-C (SIGINT to the process group) while a -tp 2 script generates: the workers ignore it and
     wait in a collective rank 0 left; rank 0's exit hook sees the interrupted step and kills them at
     once instead of posting a stop message they cannot read (that took 11 s: a 5 s post deadline,
     then a 10 s join), and nothing is left running."""
-    import subprocess
-    import sys
-    script = tmp_path / "interrupted.py"
-    script.write_text("from longflash import LLM, SamplingParams\n"
+    p = _start_script(tmp_path / "interrupted.py", "from longflash import LLM, SamplingParams\n"
                       "if __name__ == '__main__':\n"
                       "    llm = LLM(tensor_parallel_size=2, distributed_timeout_s=60)\n"
                       "    print('READY', flush=True)\n"
                       "    llm.generate(['def f(x):'] * 4, SamplingParams(max_tokens=5000, ignore_eos=True), "
                       "use_tqdm=False)\n")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"), start_new_session=True)
     try:
         for line in p.stdout:
             if "READY" in line:
@@ -215,19 +221,13 @@ def test_killed_rank_0_stops_its_workers_with_one_clear_line(tmp_path):
     """SIGKILL of rank 0 between steps (the workers wait for the next step): each worker stops with one line
     naming rank 0, not with c10d's TCPStore warning and C++ stack trace (the store's host is rank 0; a local
     worker checks its parent first), and no worker outlives it."""
-    import subprocess
-    import sys
-    script = tmp_path / "killed.py"
-    script.write_text("import os, signal\n"
+    p = _start_script(tmp_path / "killed.py", "import os, signal\n"
                       "from longflash import LLM, SamplingParams\n"
                       "if __name__ == '__main__':\n"
                       "    llm = LLM(tensor_parallel_size=2, max_num_seqs=2, kv_cache_memory='64MiB')\n"
                       "    llm.generate(['def f(x):'], SamplingParams(max_tokens=3), use_tqdm=False)\n"
                       "    print('PID', os.getpid(), flush=True)\n"
                       "    os.kill(os.getpid(), signal.SIGKILL)\n")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"), start_new_session=True)
     try:
         out, _ = p.communicate(timeout=240)   # the pipe closes when the workers (which share it) are gone too
         assert p.returncode == -signal.SIGKILL, out[-3000:]

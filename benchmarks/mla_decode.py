@@ -43,6 +43,8 @@ def parse_args(argv=None):
                     help="only the batch-1 short-context split-count sweep (and the checks)")
     ap.add_argument("--only", nargs="+", default=None, metavar="CACHE:QLEN",
                     help="sweep and main table only for these (cache, q_len) pairs, e.g. fp8:1; no extras")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="main-table rows also get each kernel's device time (torch profiler, L2 flushed)")
     return ap.parse_args(argv)
 
 
@@ -198,9 +200,27 @@ def call(q, cache, bt, qsl, seq, ks, ql, L, cfg=None, S=None):
                                    num_splits=S, config=cfg)
 
 
-def measure(caches, ceil, dtype, B, L, ql, heads=H, bs=BS, cfg=None, S=None) -> dict:
+def kernel_times(fn, reps: int = 5) -> dict:
+    """{kernel name: mean device µs per call} of ``fn`` (eager calls under the torch profiler, L2 flushed
+    before each; the flush itself is left out): where a call's time goes besides stage 1."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            TIMER.flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "elementwise" not in e.name and "fill" not in e.name:
+            out[e.name[:60]] = out.get(e.name[:60], 0.0) + e.device_time_total / reps
+    return out
+
+
+def measure(caches, ceil, dtype, B, L, ql, heads=H, bs=BS, cfg=None, S=None, breakdown=False) -> dict:
     q, cache, bt, qsl, seq, ks = make_case(caches, dtype, B, L, ql, heads, bs)
     t = TIMER(lambda: call(q, cache, bt, qsl, seq, ks, ql, L, cfg, S))
+    kernels = kernel_times(lambda: call(q, cache, bt, qsl, seq, ks, ql, L, cfg, S)) if breakdown and CUDA else None
     nbytes, flops = tk.decode_bytes_and_flops([ql] * B, [L] * B, heads, W, R, cache.element_size(),
                                               q.element_size(), bs)
     floor = max(nbytes / ceil["copy_bw"], flops / ceil["gemm_rate"])
@@ -212,7 +232,7 @@ def measure(caches, ceil, dtype, B, L, ql, heads=H, bs=BS, cfg=None, S=None) -> 
     return {"dtype": dtype, "B": B, "ctx": L, "q_len": ql, "heads": heads, "block_size": bs, "time_us": t * 1e6,
             "bytes": nbytes, "flops": flops, "GBps": nbytes / t / 1e9, "bw_frac": nbytes / t / ceil["copy_bw"],
             "roofline_frac": floor / t, "bound": "bytes" if nbytes / ceil["copy_bw"] >= flops / ceil["gemm_rate"]
-            else "flops", "splits": splits, "config": used}
+            else "flops", "splits": splits, "config": used, **({"kernels_us": kernels} if kernels else {})}
 
 
 def try_measure(*args, **kw) -> dict:
@@ -297,6 +317,12 @@ def write_md() -> str:
         rows = [r for r in RESULT[key] if "time_us" in r]
         if rows:
             lines += ["", f"## {title}", "", HEADER] + [fmt_row(r) for r in rows]
+    split = [r for r in RESULT["rows"] if r.get("kernels_us")]
+    if split:
+        lines += ["", "## Device time per kernel (profiler, eager calls; µs)", "",
+                  "| cache | B | ctx | q_len | graph replay us | kernels |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['B']} | {r['ctx']} | {r['q_len']} | {r['time_us']:.1f} | "
+                  + "; ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()) + " |" for r in split]
     failed = [r for r in RESULT["sweep"] if not r["check"].get("ok") or "error" in r]
     if failed:
         lines += ["", "Sweep candidates that failed (check or run): " + "; ".join(
@@ -416,7 +442,7 @@ def main() -> None:
         if over_budget():
             RESULT["skipped"].append([d, B, L, ql])
             continue
-        r = try_measure(caches, ceil, d, B, L, ql, cfg=chosen.get((d, ql)))
+        r = try_measure(caches, ceil, d, B, L, ql, cfg=chosen.get((d, ql)), breakdown=ARGS.breakdown)
         RESULT["rows"].append(r)
         if "time_us" in r:
             print(fmt_row(r), flush=True)

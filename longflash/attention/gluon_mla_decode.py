@@ -159,6 +159,15 @@ def _swap_block_coords(x, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _columns_to_latent_dims(o):
+    """[16, 512] in logical value columns -> [16, 512] in latent-dim order (element d is column σ⁻¹(d),
+    :func:`latent_dim_of_column`): a reshape/permute of the column bits, a relabelling of registers."""
+    o = gl.reshape(o, [16, 4, 4, 32])  # column bits 7-8 | 5-6 | 0-4
+    o = gl.permute(o, (0, 1, 3, 2))  # -> dim bits 7-8 | 2-6 | 0-1
+    return gl.reshape(o, [16, 512])
+
+
+@gluon.jit
 def _block_ids(bt_row, start, hi, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, L: gl.constexpr):
     """Physical block of each cache row start .. start + BLOCK_N - 1 (0 past ``hi``), in layout ``L``."""
     n = start + gl.arange(0, BLOCK_N, layout=L)
@@ -345,18 +354,24 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tok = (q_start + j).to(gl.int64)
     h = m_idx % H
-    nc = gl.arange(0, 512, layout=COLS)
-    col = gl.expand_dims(((nc >> 5) & 3) | ((nc & 31) << 2) | (nc & 384), 0)  # latent_dim_of_column
-    mo = pid_g * 16 + gl.arange(0, 16, layout=ROWS)
-    ok_o = gl.expand_dims(mo < q_len * H, 1) & (col < 512)
+    # the output in latent-dim order: a relabelling of the logical columns (σ), then one exchange through
+    # shared memory so that each warp stores 512 contiguous bytes of a row per instruction (16-byte stores);
+    # stored straight from the MMA layout, each 4-byte store touched a separate 32-byte sector
+    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0])
+    ORows: gl.constexpr = gl.SliceLayout(1, OUT)
+    mo = pid_g * 16 + gl.arange(0, 16, layout=ORows)
+    dcol = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, OUT)), 0)
+    ok_o = gl.expand_dims(mo < q_len * H, 1) & (dcol < 512)
     tok_o = (q_start + mo // H).to(gl.int64)
     if SPLIT:  # partials [T, H, S, 512] fp32 and [T, H, S]
+        od = gl.convert_layout(_columns_to_latent_dims(o), OUT)
         prow = (tok_o * H + mo % H) * num_splits + pid_s
-        gl.store(out_ptr + gl.expand_dims(prow, 1) * 512 + col, o, mask=ok_o)
+        gl.store(out_ptr + gl.expand_dims(prow, 1) * 512 + dcol, od, mask=ok_o)
         gl.store(lse_ptr + (tok * H + h) * num_splits + pid_s, lse, mask=row_ok)
     else:
-        optr = out_ptr + gl.expand_dims(tok_o * stride_ot + (mo % H) * stride_oh, 1) + col
-        gl.store(optr, o.to(out_ptr.dtype.element_ty), mask=ok_o)
+        od = gl.convert_layout(_columns_to_latent_dims(o.to(out_ptr.dtype.element_ty)), OUT)
+        optr = out_ptr + gl.expand_dims(tok_o * stride_ot + (mo % H) * stride_oh, 1) + dcol
+        gl.store(optr, od, mask=ok_o)
         gl.store(lse_ptr + tok * H + h, lse, mask=row_ok)
 
 

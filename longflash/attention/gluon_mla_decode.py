@@ -366,7 +366,7 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     if SPLIT:  # partials [T, H, S, 512] fp32 and [T, H, S]
         od = gl.convert_layout(_columns_to_latent_dims(o), OUT)
         prow = (tok_o * H + mo % H) * num_splits + pid_s
-        gl.store(out_ptr + gl.expand_dims(prow, 1) * 512 + dcol, od, mask=ok_o)
+        gl.store(out_ptr + gl.expand_dims(prow, 1) * 512 + dcol, od, mask=ok_o & (hi > lo))  # none for an empty split
         gl.store(lse_ptr + (tok * H + h) * num_splits + pid_s, lse, mask=row_ok)
     else:
         od = gl.convert_layout(_columns_to_latent_dims(o.to(out_ptr.dtype.element_ty)), OUT)

@@ -279,9 +279,10 @@ def _mla_decode_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, ou
     o = acc * inv[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     om = row_ok[:, None] & (r < R)[None, :]
-    if SPLIT:  # partials [T, H, S, BLOCK_R] fp32 and [T, H, S]
+    if SPLIT:  # partials [T, H, S, BLOCK_R] fp32 and [T, H, S]; a split with no rows writes only its LSE (-inf:
+        # stage 2 never reads its partial), so a graph sized for a long capacity writes little at short context
         prow = (tok * H + h) * num_splits + pid_s
-        tl.store(out_ptr + prow[:, None] * BLOCK_R + r[None, :], o, mask=om)
+        tl.store(out_ptr + prow[:, None] * BLOCK_R + r[None, :], o, mask=om & (hi > lo))
         tl.store(lse_ptr + prow, lse, mask=row_ok)
     else:
         tl.store(out_ptr + tok[:, None] * stride_ot + h[:, None] * stride_oh + r[None, :],

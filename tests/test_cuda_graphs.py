@@ -12,6 +12,7 @@ from longflash.runner.cuda_graph import uniform_query_len
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 KW = dict(max_num_seqs=8, max_num_batched_tokens=96, block_size=4, device="cuda", kv_cache_memory="1GiB")
+BF16_LOGIT_ULP = 2.0 ** -3  # one bf16 ulp of a logit in [16, 32): the default model's largest logits
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "To be, or not to be,"]
 
 
@@ -56,11 +57,13 @@ def test_graph_replay_equals_eager_padded_step(spec):
 
 def test_generation_with_graphs_equals_eager_padded_engine():
     """Greedy generation with graphs equals the eager padded engine token for token, up to a near-tie: graph
-    replay and the eager padded step agree to 1e-3 of the logits' scale (the test above), not bitwise, so where
-    the two best tokens' logprobs are within 1e-3 of each other the engines may pick differently (seen on an
-    H200 once the prefill ran the Triton flash kernel, session 24: " death" / " doom" at token 28 of the third
-    prompt, logprobs equal to 7 digits). A divergence must be such a tie in both runs, at most one prompt may
-    have one, and the continuations after it are not compared."""
+    replay and the eager padded step agree to 1e-3 of the logits' scale (the test above), not bitwise, and the LM
+    head writes bf16 logits, so two tokens whose logits lie within one bf16 ulp of each other may round to equal
+    values in one run and to neighbours in the other. The default model's logits stay below 32 in magnitude (max
+    26.4 over these prompts, measured on the CPU), where one bf16 ulp is at most 2^-3. Seen on an H200: " death" /
+    " doom" at token 28 of the third prompt, logprobs equal to 7 digits in one run and 2^-4 apart in the other.
+    A divergence must be such a top-2 tie in both runs, at most one prompt may have one, and the continuations
+    after it are not compared."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
     graphs = LLM(**KW)
     eager = LLM(enforce_eager=True, **KW)
@@ -78,7 +81,7 @@ def test_generation_with_graphs_equals_eager_padded_engine():
         ties += 1
         for lp in (oa.outputs[0].logprobs[i], ob.outputs[0].logprobs[i]):
             assert ta[i] in lp and tb[i] in lp, (i, ta[i], tb[i], lp)  # both are a run's top-2 at the divergence
-            assert abs(lp[ta[i]].logprob - lp[tb[i]].logprob) <= 1e-3, (i, lp)
+            assert abs(lp[ta[i]].logprob - lp[tb[i]].logprob) <= BF16_LOGIT_ULP, (i, lp)
     assert ties <= 1, ties
     assert min(o.metrics.mean_acceptance_length for o in a) > 1.0
 

@@ -82,15 +82,15 @@ def main() -> int:
              f"{res['device']})", "", f"commit {res['commit'][:12]}; copy {res['copy_gbs']:.0f} GB/s; "
              f"batch {args.batch} x {args.input_len} prompt tokens, {args.output_len} output tokens", "",
              f"`{res['command']}`", "",
-             "| KV cache | decode tok/s | step ms | graph replay ms | MB/step | roofline fraction |",
-             "|---|---|---|---|---|---|"]
+             "| KV cache | decode tok/s | step ms | graph replay ms | MB/step | roofline fraction | mean TTFT s |",
+             "|---|---|---|---|---|---|---|"]
     for kv in args.kv_cache_dtypes:
         r = res.get(kv, {}).get(str(args.batch))
         if not r:
             continue
         gr = r.get("graph_replay_ms")
         lines.append(f"| {kv} | {r['decode_tok_s']:.1f} | {r['decode_step_ms']:.3f} | {'' if gr is None else f'{gr:.3f}'} | "
-                     f"{r['bytes_per_step'] / 1e6:.0f} | {r['roofline_fraction']:.3f} |")
+                     f"{r['bytes_per_step'] / 1e6:.0f} | {r['roofline_fraction']:.3f} | {r['mean_ttft_ms'] / 1e3:.2f} |")
     a, b = (res.get(k, {}).get(str(args.batch)) for k in ("auto", "fp8"))
     if a and b:
         lines.append(f"\nfp8 vs bf16 cache in one process: {b['decode_tok_s'] / a['decode_tok_s']:.2f}x decode tok/s, "

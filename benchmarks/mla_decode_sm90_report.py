@@ -130,7 +130,8 @@ def main() -> None:
                 try:
                     if cfg.get("GLUON"):  # the Gluon fp8 stage 1 (attention/gluon_mla_decode.py)
                         r.update(report(gluon_mla_decode.compile_stage1(
-                            TARGET, block_n=cfg["BLOCK_N"], stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"))))
+                            TARGET, block_n=cfg["BLOCK_N"], stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
+                            warps=cfg["num_warps"])))
                     else:
                         r.update(report(stage1(fp8, cfg)))
                 except Exception as e:  # noqa: BLE001  (a compile failure is a result here)

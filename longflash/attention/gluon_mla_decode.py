@@ -47,17 +47,28 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-def latent_dim_of_column(n):
-    """σ: the latent dim that logical value column ``n`` (0..511) of the kernel's PV product reads
-    (a bit permutation: n bits 5-6 -> dim bits 0-1, n bits 0-4 -> dim bits 2-6, bits 7-8 kept).
-    Works on ints and on integer tensors; raises ValueError for a column outside 0..511."""
+def _first_register_bit(warps):
+    """B: the lowest value-column bit held in registers by the value MMA's B operand (3 lane bits, then
+    log2(warps) warp bits): 5 for 4 warps, 6 for 8."""
+    return 3 + (warps.bit_length() - 1)
+
+
+def latent_dim_of_column(n, warps=4):
+    """σ: the latent dim that logical value column ``n`` (0..511) of the kernel's PV product reads with
+    ``warps`` (4 or 8) warps per program. A bit permutation with B = 3 + log2(warps): n bits B..B+1 ->
+    dim bits 0-1, n bits 0..B-1 -> dim bits 2..B+1, the bits above kept (4 warps: n bits 5-6 -> dim
+    bits 0-1, bits 0-4 -> 2-6). Works on ints and on integer tensors; raises ValueError for a column
+    outside 0..511 or a warp count other than 4 or 8."""
+    if warps not in (4, 8):
+        raise ValueError(f"warps must be 4 or 8, got {warps}")
     if isinstance(n, int):
         lo = hi = n
     else:
         lo, hi = (int(n.min()), int(n.max())) if n.numel() else (0, 0)
     if lo < 0 or hi > 511:
         raise ValueError(f"value columns are 0..511, got {lo}..{hi}")
-    return ((n >> 5) & 3) | ((n & 31) << 2) | (n & 384)
+    b = _first_register_bit(warps)
+    return ((n >> b) & 3) | ((n & ((1 << b) - 1)) << 2) | (n & (511 & ~((1 << (b + 2)) - 1)))
 
 
 @gluon.constexpr_function
@@ -84,18 +95,35 @@ def _swizzled_tile_layout(rows, width):
 
 
 @gluon.constexpr_function
-def _value_load_layout(rows):
+def _value_load_layout(rows, warps):
     """Register layout of a ``[rows, 512]`` value tile in the relabelled (logical column) view: the MMA's
-    B-operand layout (m16n8k16, 4 warps along N, k_width 4) with its registers reordered so that each
-    thread's first four registers are four consecutive latent dims of one cache row (one 4-byte load)."""
-    reg = [[0, 32], [0, 64], [1, 0], [2, 0]]
+    B-operand layout (m16n8k16, ``warps`` warps along N, k_width 4) with its registers reordered so that
+    each thread's first four registers are four consecutive latent dims of one cache row (one 4-byte load)."""
+    b = 3 + (warps.bit_length() - 1)  # the lowest value-column bit held in registers
+    reg = [[0, 1 << b], [0, 2 << b], [1, 0], [2, 0]]
     k = 16
     while k < rows:
         reg.append([k, 0])
         k *= 2
-    reg += [[0, 128], [0, 256]]
+    c = 4 << b
+    while c < 512:
+        reg.append([0, c])
+        c *= 2
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
-                                      warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[rows, 512])
+                                      warp_bases=[[0, 8 << i] for i in range(warps.bit_length() - 1)],
+                                      block_bases=[], shape=[rows, 512])
+
+
+@gluon.constexpr_function
+def _col_lo(warps):
+    """2^B (:func:`_first_register_bit`): the value columns below the register bits."""
+    return 1 << (3 + (warps.bit_length() - 1))
+
+
+@gluon.constexpr_function
+def _col_hi(warps):
+    """512 >> (B + 2): the value-column chunks above the two register bits that hold consecutive dims."""
+    return 512 >> (5 + (warps.bit_length() - 1))
 
 
 @gluon.constexpr_function
@@ -151,19 +179,20 @@ def _e4m3_block_to_f16_pairs(v):
 
 
 @gluon.jit
-def _swap_block_coords(x, BLOCK_N: gl.constexpr):
-    """[BLOCK_N, 512] -> same shape with row bits 0-1 and column bits 5-6 exchanged (a relabelling)."""
-    x = gl.reshape(x, [BLOCK_N // 4, 4, 4, 4, 32])
+def _swap_block_coords(x, BLOCK_N: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
+    """[BLOCK_N, 512] -> same shape with row bits 0-1 and column bits B..B+1 exchanged (a relabelling;
+    LO = 2^B, HI = 512 >> (B + 2), :func:`_reg_bits`)."""
+    x = gl.reshape(x, [BLOCK_N // 4, 4, HI, 4, LO])
     x = gl.permute(x, (0, 3, 2, 1, 4))
     return gl.reshape(x, [BLOCK_N, 512])
 
 
 @gluon.jit
-def _columns_to_latent_dims(o):
+def _columns_to_latent_dims(o, LO: gl.constexpr, HI: gl.constexpr):
     """[16, 512] in logical value columns -> [16, 512] in latent-dim order (element d is column σ⁻¹(d),
     :func:`latent_dim_of_column`): a reshape/permute of the column bits, a relabelling of registers."""
-    o = gl.reshape(o, [16, 4, 4, 32])  # column bits 7-8 | 5-6 | 0-4
-    o = gl.permute(o, (0, 1, 3, 2))  # -> dim bits 7-8 | 2-6 | 0-1
+    o = gl.reshape(o, [16, HI, 4, LO])  # column bits B+2.. | B..B+1 | 0..B-1
+    o = gl.permute(o, (0, 1, 3, 2))  # -> dim bits B+2.. | 2..B+1 | 0-1
     return gl.reshape(o, [16, 512])
 
 
@@ -201,7 +230,7 @@ def _partial_scores(q_n, q_p, kn, kp, BLOCK_N: gl.constexpr, OPB3: gl.constexpr,
 def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
                           H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits, qk_scale, out_scale,
                           BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                          HAS_VIS: gl.constexpr, SPLIT: gl.constexpr):
+                          HAS_VIS: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr = 4):
     """Stage 1 over an fp8 (uint8-viewed) cache ``[num_blocks, BLOCK_SIZE, 576]``; grid (head-group,
     kv-split, request), arguments as the Triton kernel's ``_mla_decode_stage1``; 4 warps. Writes the
     split's partial ``[T, H, S, 512]`` fp32 output and LSE (SPLIT) or the final output in q's dtype and
@@ -209,11 +238,15 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     q held in registers), the four partial score tiles are summed; values: the 4 warps split the 512
     output columns."""
     gl.static_assert((BLOCK_N == 32) | (BLOCK_N == 64), "BLOCK_N must be 32 or 64")
+    gl.static_assert((WARPS == 4) | ((WARPS == 8) & (BLOCK_N == 64)), "WARPS must be 4, or 8 with BLOCK_N 64")
+    LO: gl.constexpr = _col_lo(WARPS)
+    HI: gl.constexpr = _col_hi(WARPS)
     gl.static_assert(STAGES >= 2, "STAGES must be >= 2 (the loop consumes a tile copied one iteration earlier)")
-    MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+    MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, WARPS // 4],
+                                                   instr_shape=[1, 16, 8])
     OPA3: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=4)
     OPB3: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=4)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
     # the four partial score tiles, each thread holding its 4 scores (of the MMA layout) from all four
     PARTS: gl.constexpr = _with_parts_in_registers(gl.to_linear_layout(MMA, [16, BLOCK_N]), 4)
     RED_SH: gl.constexpr = _exchange_layout(4, 16, BLOCK_N, 4, 32, [1, 2])
@@ -225,9 +258,9 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     # cp.async layouts, 16-byte chunks: a warp copies 2 rows x 256 bytes (latent) or 8 rows x 64 bytes (rope)
     # per instruction, so each group of 8 lanes writes 128 contiguous bytes (no bank conflicts whatever the
     # swizzle) and a thread computes BLOCK_N / 8 (BLOCK_N / 32) row addresses per tile
-    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
-    CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    VL: gl.constexpr = _value_load_layout(BLOCK_N)
+    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+    CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
+    VL: gl.constexpr = _value_load_layout(BLOCK_N, WARPS)
     KN_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 512)
     KP_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 64)
 
@@ -268,7 +301,7 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [4, 16, BLOCK_N], OPB3),
                                        kp0.reshape([BLOCK_N, 4, 16]).permute((1, 2, 0)).type) == 0)
     gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 512], VL), kn0.reshape(
-        [BLOCK_N, 4, 32, 4]).permute((0, 1, 3, 2)).reshape([BLOCK_N, 512]).type) == 0)
+        [BLOCK_N, HI, LO, 4]).permute((0, 1, 3, 2)).reshape([BLOCK_N, 512]).type) == 0)
     red_smem = gl.allocate_shared_memory(gl.float32, [4, 16, BLOCK_N], RED_SH)
     p_smem = gl.allocate_shared_memory(gl.float16, [16, BLOCK_N], P_SH)
     gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float32, [4, 16, BLOCK_N], MMA3), red_smem.type) == 0)
@@ -342,8 +375,8 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
         gl.thread_barrier()
         pa = p_smem.load(OPA)
         # acc [16, 512 logical columns] += P · V; column n reads latent dim σ(n) (4 x 4 byte blocks per thread)
-        v = kn.reshape([BLOCK_N, 4, 32, 4]).permute((0, 1, 3, 2)).reshape([BLOCK_N, 512]).load(VL)
-        vb = gl.convert_layout(_swap_block_coords(_e4m3_block_to_f16_pairs(v), BLOCK_N), OPB)
+        v = kn.reshape([BLOCK_N, HI, LO, 4]).permute((0, 1, 3, 2)).reshape([BLOCK_N, 512]).load(VL)
+        vb = gl.convert_layout(_swap_block_coords(_e4m3_block_to_f16_pairs(v), BLOCK_N, LO, HI), OPB)
         acc = mma_v2(pa, vb, acc)
     async_copy.wait_group(0)
 
@@ -357,30 +390,30 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     # the output in latent-dim order: a relabelling of the logical columns (σ), then one exchange through
     # shared memory so that each warp stores 512 contiguous bytes of a row per instruction (16-byte stores);
     # stored straight from the MMA layout, each 4-byte store touched a separate 32-byte sector
-    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0])
+    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS // 4, 4], [1, 0])
     ORows: gl.constexpr = gl.SliceLayout(1, OUT)
     mo = pid_g * 16 + gl.arange(0, 16, layout=ORows)
     dcol = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, OUT)), 0)
     ok_o = gl.expand_dims(mo < q_len * H, 1) & (dcol < 512)
     tok_o = (q_start + mo // H).to(gl.int64)
     if SPLIT:  # partials [T, H, S, 512] fp32 and [T, H, S]
-        od = gl.convert_layout(_columns_to_latent_dims(o), OUT)
+        od = gl.convert_layout(_columns_to_latent_dims(o, LO, HI), OUT)
         prow = (tok_o * H + mo % H) * num_splits + pid_s
         gl.store(out_ptr + gl.expand_dims(prow, 1) * 512 + dcol, od, mask=ok_o & (hi > lo))  # none for an empty split
         gl.store(lse_ptr + (tok * H + h) * num_splits + pid_s, lse, mask=row_ok)
     else:
-        od = gl.convert_layout(_columns_to_latent_dims(o.to(out_ptr.dtype.element_ty)), OUT)
+        od = gl.convert_layout(_columns_to_latent_dims(o.to(out_ptr.dtype.element_ty), LO, HI), OUT)
         optr = out_ptr + gl.expand_dims(tok_o * stride_ot + (mo % H) * stride_oh, 1) + dcol
         gl.store(optr, od, mask=ok_o)
         gl.store(lse_ptr + tok * H + h, lse, mask=row_ok)
 
 
 def compile_stage1(target=None, *, block_n: int = 64, stages: int = 2, split: bool = True, has_vis: bool = False,
-                   q_dtype: str = "bf16", block_size: int = 16, maxnreg: int | None = None):
+                   q_dtype: str = "bf16", block_size: int = 16, maxnreg: int | None = None, warps: int = 4):
     """Ahead-of-time compile of :func:`mla_decode_fp8_stage1` (no GPU needed; Triton's bundled ptxas) for
     ``target`` (default ``GPUTarget("cuda", 90, 32)``, an H100/H200; the kernel needs sm_89+), with the
     pointer and stride arguments marked 16-divisible as the JIT marks real tensors. ``q_dtype``: "bf16" or
-    "fp16". Returns Triton's compiled kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata.shared`` in bytes).
+    "fp16". ``warps``: 4 or 8 (8 only with ``block_n`` 64). Returns Triton's compiled kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata.shared`` in bytes).
     Used by the CPU tests and ``benchmarks/mla_decode_sm90_report.py``. Raises ValueError for arguments the
     kernel does not take, and Triton's compilation errors (e.g. a failed bank-conflict static assert)."""
     import triton
@@ -389,16 +422,16 @@ def compile_stage1(target=None, *, block_n: int = 64, stages: int = 2, split: bo
     target = target or GPUTarget("cuda", 90, 32)
     if q_dtype not in ("bf16", "fp16"):
         raise ValueError(f"q_dtype must be 'bf16' or 'fp16', got {q_dtype!r}")
-    if block_n not in (32, 64) or stages < 2 or block_size < 1:
-        raise ValueError(f"block_n must be 32 or 64, stages >= 2 and block_size >= 1, got {block_n}, {stages}, "
-                         f"{block_size}")
+    if block_n not in (32, 64) or stages < 2 or block_size < 1 or warps not in (4, 8) or (warps == 8 and block_n != 64):
+        raise ValueError(f"block_n must be 32 or 64, stages >= 2, block_size >= 1 and warps 4 (or 8 with block_n 64), "
+                         f"got {block_n}, {stages}, {block_size}, {warps}")
     if target.backend != "cuda" or int(target.arch) < 89:
         raise ValueError(f"the kernel needs a CUDA target of compute capability >= 8.9 (fp8 conversions), got {target}")
     sig = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*u8", "bt_ptr": "*i32", "qsl_ptr": "*i32", "kvlen_ptr": "*i32",
            "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{q_dtype}", "lse_ptr": "*fp32", "H": "i32",
            "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32"}
-    const = dict(BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split)
+    const = dict(BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split, WARPS=warps)
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr",
@@ -406,4 +439,4 @@ def compile_stage1(target=None, *, block_n: int = 64, stages: int = 2, split: bo
     src = GluonASTSource(fn=mla_decode_fp8_stage1, signature=sig,
                          constexprs={(names.index(k),): v for k, v in const.items()},
                          attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
-    return triton.compile(src, target=target, options=dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {})))
+    return triton.compile(src, target=target, options=dict(num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))

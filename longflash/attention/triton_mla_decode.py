@@ -359,7 +359,7 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     caller's other keys applied on top. fp32 queries over an fp8 cache always take the 16-row bf16 tile
     (see the note in :func:`mla_decode_attention`).
     Raises ValueError for a Gluon tile the kernel does not support (BLOCK_N not 32/64, num_stages < 2,
-    num_warps not 4, BLOCK_M not 16)."""
+    num_warps not 4 or 8 (8 only with BLOCK_N 64), BLOCK_M not 16)."""
     fp8 = kv_cache.dtype == FP8_DTYPE
     H = q.shape[1]
     rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
@@ -371,9 +371,10 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
         cfg = dict(TRITON_FP8_CONFIG, **{k: v for k, v in user.items() if k != "GLUON"})
     if not use_gluon:
         cfg["GLUON"] = False
-    elif cfg["BLOCK_N"] not in (32, 64) or cfg["num_stages"] < 2 or cfg["num_warps"] != 4 or cfg["BLOCK_M"] != 16:
+    elif cfg["BLOCK_N"] not in (32, 64) or cfg["num_stages"] < 2 or cfg["BLOCK_M"] != 16 or \
+            cfg["num_warps"] not in (4, 8) or (cfg["num_warps"] == 8 and cfg["BLOCK_N"] != 64):
         raise ValueError(f"the Gluon fp8 decode tile needs BLOCK_M 16, BLOCK_N 32 or 64, num_stages >= 2 and "
-                         f"num_warps 4, got {cfg}")
+                         f"num_warps 4 (or 8 with BLOCK_N 64), got {cfg}")
     return cfg, use_gluon
 
 
@@ -432,8 +433,12 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
         cvt = dict(tr, V_RELOAD=False, CVT_SMEM=True)
         # (session 23: N32 under a 168-register cap, three programs per SM, measured 0.56 vs 0.57 and now spills
         # 8 bytes: not a candidate)
-        cands = [dict(g, num_stages=3, occupancy=1), dict(g, BLOCK_N=32, num_stages=2), dict(g, BLOCK_N=32, num_stages=4),
-                 tr, pre, cvt]
+        # 8 warps (session 25): each warp half the score columns and half the value columns, 600 loop instructions
+        # per warp per 64 rows against 1135; two programs per SM need a 128-register cap (72 bytes of spills)
+        w8 = [dict(g, num_warps=8, maxnreg=128), dict(g, num_warps=8, occupancy=1),
+              dict(g, num_warps=8, num_stages=4, occupancy=1)]
+        cands = [*w8, dict(g, num_stages=3, occupancy=1), dict(g, BLOCK_N=32, num_stages=2),
+                 dict(g, BLOCK_N=32, num_stages=4), tr, pre, cvt]
     elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
                     PREFETCH=False, occupancy=2)  # run 2's default
@@ -618,7 +623,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
         stage1 = mla_decode_fp8_stage1
         common = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, STAGES=cfg["num_stages"],
-                      HAS_VIS=visible_lens is not None, num_warps=4,
+                      HAS_VIS=visible_lens is not None, WARPS=cfg["num_warps"], num_warps=cfg["num_warps"],
                       **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
     else:
         stage1 = _mla_decode_stage1

@@ -38,6 +38,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, help="directory for mla_decode.json / .md")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through TRITON_INTERPRET=1")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-lora-rank", type=int, default=512, help="value width (512: DeepSeek/Kimi; 64: the default model)")
+    ap.add_argument("--rope", type=int, default=64, help="rope width of a cache row (64; 16: the default model)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--budget-s", type=float, default=125.0, help="stop adding rows after this many seconds")
     ap.add_argument("--short-splits-only", action="store_true",
                     help="only the batch-1 short-context split-count sweep (and the checks)")
@@ -64,8 +68,8 @@ T0 = time.perf_counter()
 DEV = torch.device("cuda" if torch.cuda.is_available() and not ARGS.smoke else "cpu")
 CUDA = DEV.type == "cuda"
 if CUDA:
-    R, P, H, BS = 512, 64, ARGS.heads, 16
-    BATCHES, CONTEXTS, QLENS = [1, 16, 64], [4096, 32768, 131072], [1, 8]
+    R, P, H, BS = ARGS.kv_lora_rank, ARGS.rope, ARGS.heads, 16
+    BATCHES, CONTEXTS, QLENS = ARGS.batches, ARGS.contexts, [1, 8]
 else:  # smoke: same code path, tiny
     R, P, H, BS = 64, 16, 2, 4
     BATCHES, CONTEXTS, QLENS = [1, 2], [40, 100], [1, 4]
@@ -414,7 +418,7 @@ def main() -> None:
             if not wanted(d, ql):
                 continue
             timed = []
-            for cfg in tk.candidate_configs(ql * H, FP8 if d == "fp8" else torch.bfloat16):
+            for cfg in tk.candidate_configs(ql * H, FP8 if d == "fp8" else torch.bfloat16, W):
                 if over_budget():
                     RESULT["skipped"].append(["sweep", d, ql, cfg])
                     continue

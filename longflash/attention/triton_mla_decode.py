@@ -47,6 +47,7 @@ from longflash.ops.triton_math import dot_acc
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_ROWS = 64
+NARROW_WIDTH = 128  # cache rows of at most this many elements take the long narrow tiles (default_config)
 MAX_SPLITS = 256
 # Rates of the split-count model (choose_num_splits): H200 copy bandwidth, and a bf16 tensor-core rate
 # this kernel may reach (about half the measured GEMM rate).
@@ -363,7 +364,7 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     fp8 = kv_cache.dtype == FP8_DTYPE
     H = q.shape[1]
     rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
-    base = default_config(rows, torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype)
+    base = default_config(rows, torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype, q.shape[-1])
     user = dict(config or {})
     cfg = dict(base, **user)
     use_gluon = bool(cfg.get("GLUON", False)) and gluon_eligible(q, kv_cache, kv_lora_rank, max_query_len * H)
@@ -378,8 +379,9 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     return cfg, use_gluon
 
 
-def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
-    """Tile shape for a batch whose largest request has ``max_query_rows`` = q_len · H query rows:
+def default_config(max_query_rows: int, cache_dtype: torch.dtype, width: int = 576) -> dict:
+    """Tile shape for a batch whose largest request has ``max_query_rows`` = q_len · H query rows over cache rows
+    of ``width`` = kv_lora_rank + rope elements:
     BLOCK_M (query rows per program, >= 16 for ``tl.dot``), BLOCK_N (cache rows per step), num_warps,
     num_stages, V_RELOAD (load the value tile a second time instead of reusing the key tile: with an
     fp8 cache and mma.sync tiles this lets Triton pipeline the byte loads through shared memory),
@@ -401,8 +403,15 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
     at B 16/64 x 128K; the third and fourth runs, f5c1d69 and 8d8d43d, measured M16 N32 w4 s3 faster at
     B16/32K, 0.836 vs 0.778, and equal elsewhere, so it is the default since session 21), fp8 M16 N32 w4 s3 with V reload and fp16 dots (0.34; 0.36-0.37 at 128K); 128 rows
     M64 N64 w8 s2 for both caches. 17-32 rows were not measured (the first run's M32 N32 w4 s3).
+    Narrow rows (``width`` <= ``NARROW_WIDTH``, e.g. the default model's 64 + 16) with <= 16 query rows: 256
+    cache rows per step over 8 warps (session 25: the 32-row tile spent a program 64 loop steps on a 2,048-row
+    split, 2.5 KB per step; the sm_90 compile reports of the 256-row tiles: 101 / 128 registers, no spills,
+    52 / 48 KB of shared memory, two programs per SM).
     ``benchmarks/mla_decode.py`` times :func:`candidate_configs` against them."""
     fp8 = cache_dtype == FP8_DTYPE
+    if max_query_rows <= 16 and width <= NARROW_WIDTH:
+        return {"BLOCK_M": 16, "BLOCK_N": 256, "num_warps": 8, "num_stages": 2, "V_RELOAD": fp8, "TRANS": False,
+                "F16": fp8, "PREFETCH": False, "occupancy": 2}
     if max_query_rows <= 16 and fp8:
         return dict(GLUON_FP8_CONFIG)
     if max_query_rows <= 16:  # M16 N32 w4 s3: the B16/32K sweep's best in runs 3 and 4 (0.836 vs N64 s2 0.778)
@@ -415,7 +424,7 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype) -> dict:
             "F16": False, "PREFETCH": False, "occupancy": 1}
 
 
-def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dict]:
+def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype, width: int = 576) -> list[dict]:
     """Tile configs that ``benchmarks/mla_decode.py`` times against each other, the default first. fp8 with
     <= 16 rows: Gluon tiles (BLOCK_N 32/64 cache rows, 2-4 cp.async buffers), then the Triton fp16-dot
     tile they replace (``TRITON_FP8_CONFIG``, session 21's default) and its register-prefetch and
@@ -423,10 +432,16 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype) -> list[dic
     ``benchmarks/mla_decode_sm90_report.py`` lists their sm_90 compile reports (registers, spills,
     shared memory, MMA kind, pipelined loads, loop instructions). ``occupancy`` = programs per SM that
     registers and shared memory allow (from those reports). No duplicates. (The register-capped and
-    8-warp Triton fp8 tiles that session 21 measured slower are described in ``benchmarks/NOTES.md``.)"""
+    8-warp Triton fp8 tiles that session 21 measured slower are described in ``benchmarks/NOTES.md``.)
+    Narrow rows (``width`` <= ``NARROW_WIDTH``) with <= 16 query rows: 128-512 cache rows per step, and the
+    32-row tile used for them before session 25."""
     fp8 = cache_dtype == FP8_DTYPE
-    d = default_config(max_query_rows, cache_dtype)
-    if max_query_rows <= 16 and fp8:
+    d = default_config(max_query_rows, cache_dtype, width)
+    if max_query_rows <= 16 and width <= NARROW_WIDTH:
+        old = dict(TRITON_FP8_CONFIG) if fp8 else default_config(max_query_rows, cache_dtype)
+        cands = [dict(d, BLOCK_N=128, num_warps=4, num_stages=3), dict(d, num_warps=4),
+                 dict(d, BLOCK_N=512, occupancy=1 if fp8 else 2), old]
+    elif max_query_rows <= 16 and fp8:
         g = GLUON_FP8_CONFIG
         tr = TRITON_FP8_CONFIG
         pre = dict(tr, num_warps=8, num_stages=1, V_RELOAD=False, PREFETCH=True, occupancy=1)

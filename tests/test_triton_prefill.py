@@ -7,12 +7,16 @@ sequence), negative (leading queries see no key), beyond Tk and below -Tq; Tk = 
 head broadcast to all heads; k and v as the MLA prefill builds them (k a concatenation, v a split view
 of the up-projection with a token stride that is not its width); a transposed q (last dim strided);
 widths that are not powers of two (D 48 = 32 + 16, 24, 40, 192 = 128 + 64; Dv 32, 16, 20, 128); fp32
-and bf16; another tile config. The interpreter runs bf16 inputs through fp32 dots (its bf16 dots are
-wrong), so its bf16 cases check the masking and indexing, not the GPU's rounding of p to bf16.
+and bf16; another tile config; key / value tiles through TMA tensor descriptors (the interpreter's
+descriptors check TMA's alignment rules: same bits as the pointer tiles, and the pointer fallback for
+rows TMA cannot read). The interpreter runs bf16 inputs through fp32 dots (its bf16 dots are wrong),
+so its bf16 cases check the masking and indexing, not the GPU's rounding of p to bf16.
 sm_90 (no GPU, Triton's bundled ptxas): every tile config compiles at D 192 / Dv 128 bf16 without
-register spills, on wgmma with cp.async pipelining; the fp32 tile and the default model's widths too.
+register spills, on wgmma with cp.async pipelining (TMA copies for the TMA configs); the fp32 tile and
+the default model's widths too.
 GPU (skipped without CUDA): DeepSeek-V3 shapes on one TP-8 rank (16 heads, D 192, Dv 128, bf16), Tq
-1000-4096, Tk up to 8192, every tile config, fp32 inputs, a CUDA graph capture (no host sync).
+1000-4096, Tk up to 8192, every tile config, TMA configs bitwise against their pointer tiles, fp32
+inputs, a CUDA graph capture (no host sync).
 
 Accuracy: against the fp64 reference on the same inputs. fp32: ‖out − ref‖/‖ref‖ <= 1e-5 and |lse −
 ref| <= 1e-5 (a few fp32 ulps of LSEs of size ~10). bf16: 1e-2 and 1e-3, the bounds of the other
@@ -66,6 +70,10 @@ def ref64(q, k, v, scale, off):  # ops.attention_with_lse's math in fp64 (the op
 def compare(name, q, k, v, off, scale=0.3, config=None):
     out, lse = tp.attention_with_lse(q, k, v, scale, off, config=config)
     ro, rl = ref64(q, k, v, scale, off)
+    tma = None
+    if config is not None and config.get("TMA"):  # against the pointer path with the same tiles: same bits
+        po, pl = tp.attention_with_lse(q, k, v, scale, off, config=dict(config, TMA=False))
+        tma = dict(used=tp.tma_ok(config, k, v), same=bool(torch.equal(out, po) and torch.equal(lse, pl)))
     empty = rl.isinf()
     fo, fl = ops.attention_with_lse(q, k, v, scale, off)  # the fp32 reference's own error, for scale
     rel = lambda o: ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item() if o.numel() else 0.0
@@ -76,7 +84,7 @@ def compare(name, q, k, v, off, scale=0.3, config=None):
         empty_zero=bool((out[empty] == 0).all()), nan=bool(out.isnan().any() or lse.isnan().any()),
         n_empty=int(empty.sum()), n_rows=int(empty.numel()),
         shape_ok=out.shape == ro.shape and out.dtype == q.dtype and lse.shape == rl.shape
-        and lse.dtype == torch.float32, fp32=q.dtype == torch.float32)
+        and lse.dtype == torch.float32, fp32=q.dtype == torch.float32, tma=tma)
 
 
 for dt in (torch.float32, torch.bfloat16):
@@ -100,10 +108,22 @@ compare("q_transposed", q.transpose(0, 2).contiguous().transpose(0, 2), k, v, 0)
 compare("config_m32_n16", *make(45, 60, 2, 2, 48, 32, torch.float32), 14,
         config=dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1))
 compare("large_scores", *make(24, 24, 2, 2, 48, 32, torch.float32), 0, scale=30.0)  # max subtraction matters
+# key / value tiles through TMA tensor descriptors (the interpreter's descriptors check TMA's alignment)
+TMA = dict(tp.INTERPRET_CONFIG, TMA=True)
+for dt in (torch.float32, torch.bfloat16):
+    n = str(dt)[6:]
+    compare(f"tma_causal0_{n}", *make(37, 37, 2, 2, 48, 32, dt), 0, config=TMA)
+    compare(f"tma_mqa_{n}", *make(19, 35, 3, 1, 24, 16, dt), 16, config=TMA)
+    compare(f"tma_d192_{n}", *make(18, 40, 1, 1, 192, 128, dt), 22, config=TMA)
+    compare(f"tma_split_v_{n}", *make(33, 33, 2, 2, 40, 20, dt, split_v=True), 0, config=TMA)  # bf16: 88-byte rows
+compare("tma_noncausal", *make(21, 50, 2, 2, 48, 32, torch.float32), None, config=TMA)
+compare("tma_negative", *make(40, 30, 2, 2, 48, 32, torch.float32), -21, config=TMA)
+compare("tma_tk0", *make(6, 0, 2, 2, 48, 32, torch.float32), 0, config=TMA)
+compare("tma_m32_n32", *make(45, 60, 2, 2, 48, 32, torch.float32), 14, config=dict(TMA, BLOCK_M=32, BLOCK_N=32))
 print("RESULT" + json.dumps(res))
 """
 
-N_CASES = 2 * 7 + 10
+N_CASES = 2 * 7 + 10 + 2 * 4 + 4
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +168,11 @@ def test_interpreter_equals_reference(interp_results):
     assert r["negative_float32"]["n_empty"] == 21 * 2 and r["negative_bfloat16"]["n_empty"] == 21 * 2
     assert r["below_tq"]["n_empty"] == r["below_tq"]["n_rows"] == 18 and r["beyond_tk"]["n_empty"] == 0
     assert r["tk0"]["n_empty"] == r["tk0"]["n_rows"] == 12 and r["tq0"]["n_rows"] == 0
+    # the TMA path gives the pointer path's bits, and runs wherever TMA's alignment allows: not for bf16
+    # rows of 88 bytes (the split view)
+    tma = {n: c["tma"] for n, c in r.items() if n.startswith("tma_")}
+    assert all(t["same"] for t in tma.values()), tma
+    assert [n for n, t in tma.items() if not t["used"]] == ["tma_split_v_bfloat16"], tma
 
 
 def test_bad_input_raises():
@@ -174,13 +199,58 @@ def test_bad_input_raises():
             tp.attention_with_lse(q, k, v, 0.3, off)
     for cfg, msg in (("m1", "unknown prefill config"), (dict(BLOCK_K=16), "unknown prefill config keys"),
                      (dict(BLOCK_M=48), "power of two"), (dict(BLOCK_N=8), "power of two"),
-                     (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")):
+                     (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages"),
+                     (dict(TMA=1), "TMA must be a bool")):
         with pytest.raises(ValueError, match=msg):
             tp.resolve_config(torch.bfloat16, cfg)
     assert tp.split_width(192) == (128, 64) and tp.split_width(48) == (32, 16)
     assert tp.split_width(24) == (16, 16) and tp.split_width(8) == (16, 0) and tp.split_width(128) == (128, 0)
     with pytest.raises(ValueError, match="width"):
         tp.split_width(0)
+
+
+def test_tma_ok_follows_tma_alignment_rules():
+    """TMA descriptors need 16-byte-aligned per-head bases and token strides and tile sides <= 256; other
+    tensors take the pointer path (checked on CPU tensors: only addresses and strides matter)."""
+    pytest.importorskip("triton")
+    from longflash.attention import triton_prefill as tp
+    cfg = tp.PREFILL_CONFIGS["m128_n128_w8_s2_tma"]
+    k, v = torch.randn(64, 4, 192, dtype=torch.bfloat16), torch.randn(64, 4, 128, dtype=torch.bfloat16)
+    assert tp.tma_ok(cfg, k, v)
+    kv = torch.randn(64, 4, 256, dtype=torch.bfloat16)  # the MLA up-projection split: v at a 256-byte offset
+    assert tp.tma_ok(cfg, k, kv[..., 128:]) and tp.tma_ok(cfg, k[:, :1], v[:, :1])  # one broadcast KV head
+    assert not tp.tma_ok(cfg, k, kv[..., 4:132])  # base 8 bytes off
+    rows = torch.randn(64, 1, 196, dtype=torch.bfloat16)[..., :192]  # token stride 392 bytes
+    assert tp.tma_ok(cfg, rows.contiguous(), v[:, :1]) and not tp.tma_ok(cfg, rows, v[:, :1])
+    heads = torch.randn(64, 4, 196, dtype=torch.bfloat16)[..., :192]  # head stride 392 bytes, token 1568
+    assert not tp.tma_ok(cfg, heads, v) and tp.tma_ok(cfg, heads[:, :1], v[:, :1])  # one head: stride unused
+    assert not tp.tma_ok(cfg, torch.randn(8, 1, 576, dtype=torch.bfloat16), torch.randn(8, 1, 512))  # 512 > 256
+    assert not tp.tma_ok(cfg, k.transpose(0, 2).contiguous().transpose(0, 2), v)  # last dim not contiguous
+
+
+def test_scratch_allocator_installed_only_where_none_is_set():
+    """A TMA launch needs a Triton allocator for its descriptors: the module installs its own in a context
+    without one and leaves a caller's in place (run in copies of the context: nothing leaks)."""
+    import contextvars
+
+    triton = pytest.importorskip("triton")
+    from triton.runtime import _allocation
+
+    from longflash.attention import triton_prefill as tp
+
+    def fresh():
+        triton.set_allocator(_allocation.NullAllocator())
+        tp._ensure_scratch_allocator()
+        return _allocation._allocator.get()
+
+    def callers():
+        mine = lambda size, alignment, stream: None  # noqa: E731
+        triton.set_allocator(mine)
+        tp._ensure_scratch_allocator()
+        return _allocation._allocator.get() is mine
+
+    assert contextvars.copy_context().run(fresh) is tp._scratch
+    assert contextvars.copy_context().run(callers)
 
 
 # ---------------------------------------------------------------------------------------- sm_90 compile
@@ -207,7 +277,10 @@ def _ptxas_report(ptx: str) -> dict:
 
 def _compile_sm90() -> dict:
     """{variant: facts of its sm_90 compile}: registers and spill bytes (ptxas -v), shared memory, wgmma,
-    cp.async (run in a subprocess by ``sm90_compile.compile_report``)."""
+    cp.async (per-thread copies), TMA copies (``cp.async.bulk.tensor``), whether the config asks for TMA
+    (run in a subprocess by ``sm90_compile.compile_report``)."""
+    import re
+
     from longflash.attention import triton_prefill as tp
     out = {}
     variants = {f"{n} d192": (cfg, "bf16", 192, 128, True) for n, cfg in tp.PREFILL_CONFIGS.items()}
@@ -219,20 +292,26 @@ def _compile_sm90() -> dict:
             c = tp.compile_fwd(cfg, dt, d, dv, causal)
             ptx = c.asm["ptx"]
             out[name] = {"ok": True, "smem": c.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
-                         "cp_async": "cp.async" in ptx, **_ptxas_report(ptx)}
+                         "cp_async": re.search(r"cp\.async\.c[ag]\.", ptx) is not None,
+                         "tma": "cp.async.bulk.tensor" in ptx, "tma_config": bool(cfg.get("TMA")),
+                         **_ptxas_report(ptx)}
         except Exception as e:  # reported by the test
             out[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:3000]}"}
     return out
 
 
 def test_compiles_for_sm90_without_spills():
+    """Every config compiles for sm_90 without spills into at most 227 KB of shared memory, on wgmma (not
+    fp32); a TMA config's key / value tiles come by TMA copies (no cp.async left), the others' by cp.async."""
     from sm90_compile import compile_report
     res = compile_report(__file__)
     from longflash.attention.triton_prefill import PREFILL_CONFIGS
     assert len(res) == len(PREFILL_CONFIGS) + 3, sorted(res)
+    assert sum(v.get("tma_config", False) for v in res.values()) >= 5, res
     bad = {k: v for k, v in res.items()
-           if not (v.get("ok") and v["spill_bytes"] == 0 and v["cp_async"] and v["smem"] <= 227 * 1024
-                   and (v["wgmma"] or k.startswith("fp32")))}
+           if not (v.get("ok") and v["spill_bytes"] == 0 and v["smem"] <= 227 * 1024
+                   and (v["wgmma"] or k.startswith("fp32"))
+                   and (v["tma"], v["cp_async"]) == ((True, False) if v["tma_config"] else (False, True)))}
     assert not bad, bad
 
 
@@ -280,7 +359,9 @@ def test_gpu_real_shapes(tq, tk, off, hk, split_v):
     _check_gpu(*_gpu_inputs(tq, tk, hk, split_v), off)
 
 
-CONFIG_NAMES = ["m128_n128_w8_s2", "m128_n64_w8_s3", "m128_n64_w8_s4", "m128_n64_w8_s2", "m64_n64_w4_s2"]
+CONFIG_NAMES = ["m128_n128_w8_s2", "m128_n64_w8_s3", "m128_n64_w8_s4", "m128_n64_w8_s2", "m64_n64_w4_s2",
+                "m128_n128_w8_s2_tma", "m128_n64_w8_s3_tma", "m128_n64_w8_s4_tma", "m64_n128_w4_s2_tma",
+                "m64_n64_w4_s2_tma"]
 
 
 def test_default_config_fits_shared_memory(monkeypatch):
@@ -310,6 +391,24 @@ def test_gpu_every_config(name):
 
 
 @cuda
+@pytest.mark.parametrize("name", [n for n in CONFIG_NAMES if n.endswith("_tma")])
+def test_gpu_tma_gives_the_pointer_tiles_bits(name):
+    """A TMA config gives the bits of its tiles read through pointers (the same values reach the same
+    dots) on the MLA prefill's views (v a split of the up-projection; one broadcast KV head); tensors TMA
+    cannot read (392-byte head stride) take the pointer path."""
+    from longflash.attention import triton_prefill as tp
+    cfg = tp.PREFILL_CONFIGS[name]
+    cases = [(*_gpu_inputs(1000, 2500, split_v=True), 1500), (*_gpu_inputs(700, 1300, hk=1), None)]
+    q, k, v = _gpu_inputs(500, 900)
+    cases.append((q, torch.nn.functional.pad(k, (0, 4))[..., :192], v, 400))
+    for i, (q, k, v, off) in enumerate(cases):
+        assert tp.tma_ok(cfg, k, v) == (i < 2)
+        a = tp.attention_with_lse(q, k, v, 0.1, off, config=name)
+        b = tp.attention_with_lse(q, k, v, 0.1, off, config=dict(cfg, TMA=False))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (name, i)
+
+
+@cuda
 @pytest.mark.parametrize("shift", [1, 37, 64, 200])
 def test_gpu_result_does_not_depend_on_the_chunk_start(shift):
     """The rows of q[shift:] (offset shifted by ``shift``) get the same bits as in the whole call: a
@@ -318,7 +417,7 @@ def test_gpu_result_does_not_depend_on_the_chunk_start(shift):
     NumPy's matmul itself rounds a row differently at different row positions."""
     from longflash.attention import triton_prefill as tp
     q, k, v = _gpu_inputs(1000, 1300)
-    for cfg in (None, "m128_n64_w8_s3", "m64_n64_w4_s2"):
+    for cfg in (None, "m128_n64_w8_s3", "m64_n64_w4_s2", "m128_n128_w8_s2_tma", "m64_n64_w4_s2_tma"):
         whole, whole_lse = tp.attention_with_lse(q, k, v, 0.1, 300, config=cfg)
         part, part_lse = tp.attention_with_lse(q[shift:], k, v, 0.1, 300 + shift, config=cfg)
         assert torch.equal(whole[shift:], part) and torch.equal(whole_lse[shift:], part_lse), cfg
@@ -330,23 +429,26 @@ def test_gpu_fp32_inputs():
 
 
 @cuda
-def test_gpu_dispatch_and_cuda_graph():
+@pytest.mark.parametrize("config", [None, "m128_n128_w8_s2_tma"])
+def test_gpu_dispatch_and_cuda_graph(config):
     """``triton_ops.attention_with_lse`` runs the kernel on CUDA tensors (same bits); the kernel has no
-    host sync, so it captures into a CUDA graph whose replay on new inputs equals eager."""
+    host sync, so it captures into a CUDA graph whose replay on new inputs equals eager; a TMA config too
+    (the scratch of its device-made descriptors is allocated during the capture, in the graph's pool)."""
     from longflash.attention import triton_ops
     from longflash.attention import triton_prefill as tp
     q, k, v = _gpu_inputs(1024, 2048)
-    a = tp.attention_with_lse(q, k, v, 0.1, 1024)
-    b = triton_ops.attention_with_lse(q, k, v, 0.1, 1024)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    a = tp.attention_with_lse(q, k, v, 0.1, 1024, config=config)
+    if config is None:
+        b = triton_ops.attention_with_lse(q, k, v, 0.1, 1024)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = tp.attention_with_lse(q, k, v, 0.1, 1024)
+        out, lse = tp.attention_with_lse(q, k, v, 0.1, 1024, config=config)
     for seed in (1, 2):
         q2, k2, v2 = _gpu_inputs(1024, 2048, seed=seed)
         q.copy_(q2), k.copy_(k2), v.copy_(v2)
         graph.replay()
-        want = tp.attention_with_lse(q, k, v, 0.1, 1024)
+        want = tp.attention_with_lse(q, k, v, 0.1, 1024, config=config)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
 
 

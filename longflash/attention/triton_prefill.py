@@ -20,6 +20,11 @@ Work layout:
   the few tiles on the diagonal (and the ragged end of Tk) apply the mask. Both kinds of step compute
   a visible score alike, so a query's result does not depend on which tile it falls in (a prompt split
   into prefill chunks at any token gets the same bits; tested on the GPU).
+- key and value tiles: pointer tiles (cp.async pipelining on sm_80+), or under a config's ``TMA`` key
+  TMA tensor descriptors that each program makes for its head's [Tk, width] views (one global-scratch
+  allocation per launch, 128 bytes per descriptor); out-of-bounds rows and columns read as 0 either
+  way, so the same values reach the same dots and both give the same bits (the interpreter tests check
+  it; a GPU test too). Tensors whose alignment TMA does not allow take the pointer tiles.
 - grid (H, cdiv(Tq, BLOCK_M)) with the head the fastest axis and the query tiles in reverse order: the
   programs with the most causal work start first (a longest-first schedule), and the heads that share a
   single KV head's tiles run together.
@@ -48,27 +53,41 @@ from longflash.ops.triton_math import dot_acc
 LOG2E = 1.4426950408889634
 
 # Tile configs: BLOCK_M queries x BLOCK_N keys per step, num_warps, and num_stages (depth of the software
-# pipeline of the key/value loads: cp.async into multi-buffered shared memory). All are Hopper
-# FlashAttention-2 shapes (8 warps = two warpgroups over 128 query rows, wgmma on both dots; or one over
-# 64 rows); benchmarks/prefill_attention.py times them. At D = 192, Dv = 128 (bf16, sm_90;
-# tests/test_triton_prefill.py compiles them) none spills: 128x128 s2 uses 255 registers and 208 KB of
-# shared memory, 128x64 s2 198 and 128 KB, s3 172 KB, 64x64 w4 s2 104 KB (two programs per SM).
+# pipeline of the key/value loads: cp.async, or TMA copies under TMA=True, into multi-buffered shared
+# memory). All are Hopper FlashAttention-2 shapes (8 warps = two warpgroups over 128 query rows, wgmma
+# on both dots; or one over 64 rows); benchmarks/prefill_attention.py times them. At D = 192, Dv = 128
+# (bf16, sm_90; tests/test_triton_prefill.py compiles them) none spills: 128x128 s2 uses 255 registers
+# and 208 KB of shared memory, 128x64 s2 198 and 128 KB, s3 172 KB, 64x64 w4 s2 104 KB (two programs
+# per SM).
 # H200, 16 heads, D 192 / Dv 128 bf16 (benchmarks/prefill_attention.py; bf16 GEMM measured at ~790
 # TFLOP/s): causal 16K x 16K, 128x128 s2 3.09 ms (445 TFLOP/s, 0.57 of the GEMM rate), 128x64 s3 3.15;
 # non-causal 4K x 32K chunk, 128x64 s3 3.18 ms, 128x128 s2 3.21. In an earlier run of all five (the
 # same kernel before the masked and unmasked steps were made alike, ~3% slower): causal 16K 128x64 s4
 # 3.29, 64x64 3.71, 128x64 s2 4.11 ms; causal 4K 128x128 s2 0.22 ms. For comparison, the in-place
 # PyTorch form took 107.9 / 47.0 ms and cuDNN's SDPA (no LSE) 2.24 / 2.03 ms.
+# The "_tma" entries (issue #10, not yet timed on a GPU) read the key and value tiles through TMA tensor
+# descriptors: Triton then pipelines them as TMA copies completing on mbarriers (no per-thread
+# addresses: 128x128 s2 needs 200 registers instead of 255) instead of cp.async; same smem plus the
+# barriers. 64x128 w4 exists only with TMA (with cp.async it spills 680 bytes); 128x128 s3 needs 289 KB
+# of shared memory and does not fit.
 PREFILL_CONFIGS: dict[str, dict] = {
     "m128_n128_w8_s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     "m128_n64_w8_s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     "m128_n64_w8_s4": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
     "m128_n64_w8_s2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
     "m64_n64_w4_s2": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    "m128_n128_w8_s2_tma": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, TMA=True),
+    "m128_n64_w8_s3_tma": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True),
+    "m128_n64_w8_s4_tma": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, TMA=True),
+    "m64_n128_w4_s2_tma": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, TMA=True),
+    "m64_n64_w4_s2_tma": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),
 }
 # The default for bf16/fp16 is the first config in this order whose operand buffers fit
 # (:func:`smem_bytes` <= SMEM_BUDGET): wider heads than DeepSeek-V3's fall back to smaller tiles.
 DEFAULT_ORDER = ("m128_n128_w8_s2", "m128_n64_w8_s3", "m128_n64_w8_s2", "m64_n64_w4_s2")
+# Keys a config may add to the four above, with their default: TMA reads the key and value tiles through
+# TMA tensor descriptors (see :func:`tma_ok`; the pointer path where alignment does not allow it).
+OPTIONAL_KEYS = {"TMA": False}
 SMEM_BUDGET = 220 * 1024  # sm_90: 227 KB per block, less a margin for the compiler's scratch
 FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
 # The interpreter runs a program's tiles as NumPy ops: small tiles keep the CPU tests fast and put
@@ -104,23 +123,41 @@ def _load_rows(ptrs, n, Tk, c, C: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: t
 
 
 @triton.jit
-def _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk, causal_offset, qk_scale,
+def _kv_tile(src, off, start, col0, n, Tk, c, C: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr,
+             IEEE: tl.constexpr, TMA: tl.constexpr):
+    """A [BLOCK_N, BLOCK_C] tile of key / value rows ``n = start + [0, BLOCK_N)``, widened to fp32 under
+    ``IEEE``. Under ``TMA`` ``src`` is a tensor descriptor read at column ``col0`` (rows >= Tk and columns
+    past its width come back 0: TMA's out-of-bounds fill, in any step); otherwise ``src`` is the pointer
+    tile of rows [0, BLOCK_N), columns ``c`` (< C real), moved ``off`` elements (``start`` rows) on
+    (:func:`_load_rows`)."""
+    if TMA:
+        x = src.load([start, col0])
+        if IEEE:
+            x = x.to(tl.float32)
+    else:
+        x = _load_rows(src + off, n, Tk, c, C, BLOCK_C, MASKED, IEEE)
+    return x
+
+
+@triton.jit
+def _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk, causal_offset, qk_scale,
               stride_kt, stride_vt, D: tl.constexpr, DV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              IEEE: tl.constexpr):
+              IEEE: tl.constexpr, TMA: tl.constexpr):
     """One BLOCK_N-key step of the online softmax for the program's query tile. ``MASKED``: apply the
     Tk bound and (``CAUSAL``) the causal rule, and guard rows that have seen no key yet (m = −inf);
-    otherwise every (query, key) pair of the tile is visible."""
+    otherwise every (query, key) pair of the tile is visible. ``k_src1`` / ``k_src2`` / ``v_src``: the
+    key parts' and the values' tensor descriptors under ``TMA``, else their pointer tiles (:func:`_kv_tile`)."""
     n = start + tl.arange(0, BLOCK_N)
     d1 = tl.arange(0, D1)
     dv = tl.arange(0, BLOCK_DV)
-    koff = start.to(tl.int64) * stride_kt
+    koff = start.to(tl.int64) * stride_kt  # pointer tiles only
     voff = start.to(tl.int64) * stride_vt
-    k1 = _load_rows(k_ptrs1 + koff, n, Tk, d1, D, D1, MASKED, IEEE)
+    k1 = _kv_tile(k_src1, koff, start, 0, n, Tk, d1, D, D1, MASKED, IEEE, TMA)
     s = dot_acc(q1, tl.trans(k1), None, IEEE)
     if D2 > 0:
         # the second part's columns D1 + d2 (< D real): D - D1 of its D2
-        k2 = _load_rows(k_ptrs2 + koff, n, Tk, tl.arange(0, D2), D - D1, D2, MASKED, IEEE)
+        k2 = _kv_tile(k_src2, koff, start, D1, n, Tk, tl.arange(0, D2), D - D1, D2, MASKED, IEEE, TMA)
         s = dot_acc(q2, tl.trans(k2), s, IEEE)
     # NOTE: the mask goes on the raw dot and both paths then run the same operations (max, then one
     # FMA per score), so a query's result does not depend on whether the other queries of its tile made
@@ -135,7 +172,7 @@ def _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk, 
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: p = 0
     else:
         m_use = m_new
-    v = _load_rows(v_ptrs + voff, n, Tk, dv, DV, BLOCK_DV, MASKED, IEEE)
+    v = _kv_tile(v_src, voff, start, 0, n, Tk, dv, DV, BLOCK_DV, MASKED, IEEE, TMA)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -149,9 +186,11 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk,
                         stride_ot, stride_oh, stride_lt, D: tl.constexpr, DV: tl.constexpr,
                         D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+                        INTERPRET: tl.constexpr, TMA: tl.constexpr):
     """Grid (H, cdiv(Tq, BLOCK_M)); the last dimension of every tensor is contiguous (stride 1); a
-    head stride of 0 broadcasts one KV head. ``qk_scale`` = softmax scale · log2(e)."""
+    head stride of 0 broadcasts one KV head. ``qk_scale`` = softmax scale · log2(e). ``TMA``: the key and
+    value tiles are read through tensor descriptors made here (the host checked TMA's alignment rules,
+    :func:`tma_ok`), else through pointer tiles; the query tile through pointers either way."""
     h = tl.program_id(0).to(tl.int64)
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest (causal) work first
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -165,15 +204,24 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk,
         q1 = q1.to(tl.float32)
     q2 = q1  # unused when D2 == 0
     n = tl.arange(0, BLOCK_N)
-    k_ptrs1 = k_ptr + h * stride_kh + n.to(tl.int64)[:, None] * stride_kt + d1[None, :]
-    k_ptrs2 = k_ptrs1
+    k_src1 = k_ptr + h * stride_kh + n.to(tl.int64)[:, None] * stride_kt + d1[None, :]
+    k_src2 = k_src1
     if D2 > 0:
         d2 = D1 + tl.arange(0, D2)
         q2 = tl.load(q_base + d2[None, :], mask=row_ok[:, None] & (d2 < D)[None, :], other=0.0)
         if IEEE:
             q2 = q2.to(tl.float32)
-        k_ptrs2 = k_ptr + h * stride_kh + n.to(tl.int64)[:, None] * stride_kt + d2[None, :]
-    v_ptrs = v_ptr + h * stride_vh + n.to(tl.int64)[:, None] * stride_vt + dv[None, :]
+        k_src2 = k_ptr + h * stride_kh + n.to(tl.int64)[:, None] * stride_kt + d2[None, :]
+    v_src = v_ptr + h * stride_vh + n.to(tl.int64)[:, None] * stride_vt + dv[None, :]
+    if TMA:
+        # the key / value pointer tiles above give way to descriptors of each head's [Tk, width] view
+        # (unused pointers are dropped by the compiler); the query tile is read once, through pointers
+        k_src1 = tl.make_tensor_descriptor(k_ptr + h * stride_kh, [Tk, D], [stride_kt, 1], [BLOCK_N, D1])
+        if D2 > 0:
+            k_src2 = tl.make_tensor_descriptor(k_ptr + h * stride_kh, [Tk, D], [stride_kt, 1], [BLOCK_N, D2])
+        else:
+            k_src2 = k_src1
+        v_src = tl.make_tensor_descriptor(v_ptr + h * stride_vh, [Tk, DV], [stride_vt, 1], [BLOCK_N, BLOCK_DV])
 
     # key range: [0, full_end) is visible to every query of the tile (no mask), [full_end, hi) needs one
     if CAUSAL:
@@ -192,24 +240,24 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk,
     if INTERPRET:
         start = full_end * 0
         while start < full_end:
-            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk,
+            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
                                       causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
-                                      BLOCK_N, False, CAUSAL, IEEE)
+                                      BLOCK_N, False, CAUSAL, IEEE, TMA)
             start += BLOCK_N
         while start < hi:
-            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk,
+            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
                                       causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
-                                      BLOCK_N, True, CAUSAL, IEEE)
+                                      BLOCK_N, True, CAUSAL, IEEE, TMA)
             start += BLOCK_N
     else:
         for start in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk,
+            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
                                       causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
-                                      BLOCK_N, False, CAUSAL, IEEE)
+                                      BLOCK_N, False, CAUSAL, IEEE, TMA)
         for start in range(full_end, hi, BLOCK_N):
-            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_ptrs1, k_ptrs2, v_ptrs, start, rows, Tk,
+            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
                                       causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
-                                      BLOCK_N, True, CAUSAL, IEEE)
+                                      BLOCK_N, True, CAUSAL, IEEE, TMA)
 
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -223,7 +271,8 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk,
 def smem_bytes(config: dict, d: int, dv: int, elem: int = 2) -> int:
     """Shared memory of a config's operand buffers in bytes: the query tile plus ``num_stages`` key and
     value tiles (``elem`` bytes per element; padded widths). Matches the compiled kernel's allocation
-    at D 192 / Dv 128 bf16 (128 KB for 128x64 s2, 208 KB for 128x128 s2)."""
+    at D 192 / Dv 128 bf16 (128 KB for 128x64 s2, 208 KB for 128x128 s2; a TMA config adds 1 KB of
+    mbarriers)."""
     d1, d2 = split_width(d)
     bdv = max(16, triton.next_power_of_2(dv))
     return elem * (config["BLOCK_M"] * (d1 + d2)
@@ -254,9 +303,10 @@ def fits(d: int, dv: int) -> bool:
 def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int = 192, dv: int = 128) -> dict:
     """The tile config a call runs: ``config`` (a ``PREFILL_CONFIGS`` name, or a dict with BLOCK_M,
     BLOCK_N, num_warps, num_stages whose missing keys come from the default) or, if None,
-    :func:`default_config` for ``dtype`` and widths ``d`` / ``dv``.
+    :func:`default_config` for ``dtype`` and widths ``d`` / ``dv``. A dict may also set the optional keys of
+    ``OPTIONAL_KEYS`` (``TMA``: read k and v through tensor descriptors).
     Raises ValueError for an unknown name, unknown keys, tile sizes that are not powers of two >= 16,
-    num_warps not a power of two in 1..16, or num_stages not an int >= 1."""
+    num_warps not a power of two in 1..16, num_stages not an int >= 1, or a TMA that is not a bool."""
     if config is None:
         return default_config(dtype, d, dv)
     if isinstance(config, str):
@@ -264,9 +314,9 @@ def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int 
             raise ValueError(f"unknown prefill config {config!r}; known: {sorted(PREFILL_CONFIGS)}")
         return dict(PREFILL_CONFIGS[config])
     base = dict(FP32_CONFIG if dtype == torch.float32 else PREFILL_CONFIGS[DEFAULT_ORDER[0]])
-    unknown = set(config) - set(base)
+    unknown = set(config) - set(base) - set(OPTIONAL_KEYS)
     if unknown:
-        raise ValueError(f"unknown prefill config keys {sorted(unknown)}; allowed: {sorted(base)}")
+        raise ValueError(f"unknown prefill config keys {sorted(unknown)}; allowed: {sorted({*base, *OPTIONAL_KEYS})}")
     cfg = {**base, **config}
     for key in ("BLOCK_M", "BLOCK_N"):
         b = cfg[key]
@@ -277,7 +327,45 @@ def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int 
         raise ValueError(f"num_warps must be a power of two in 1..16, got {w!r}")
     if not isinstance(st, int) or isinstance(st, bool) or st < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {st!r}")
+    if not isinstance(cfg.get("TMA", False), bool):
+        raise ValueError(f"TMA must be a bool, got {cfg['TMA']!r}")
     return cfg
+
+
+def tma_ok(cfg: dict, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel can read the key and value tiles of ``k`` [Tk, heads, D] and ``v`` [Tk, heads, Dv]
+    through TMA tensor descriptors with tile config ``cfg``. TMA's rules (CUDA's ``cuTensorMapEncodeTiled``;
+    Triton's ``tl.make_tensor_descriptor`` states the same): every head's [Tk, width] view starts on a
+    16-byte boundary and its token stride is a multiple of 16 bytes, so the base address and the token and
+    head strides must be (a single, broadcast head's stride is never used); the last dimension is
+    contiguous; a tile side is at most 256 elements. The MLA prefill's k (a concatenation) and v (a split
+    view of the up-projection: 256-byte offset, 512-byte head stride in bf16) qualify; a value width of
+    20 bf16 per row does not (40-byte stride). False means the pointer path (same results)."""
+    d1, d2 = split_width(k.shape[-1])
+    if max(cfg["BLOCK_N"], d1, d2, triton.next_power_of_2(v.shape[-1])) > 256:
+        return False
+    for t in (k, v):
+        e = t.element_size()
+        if (t.data_ptr() % 16 or t.stride(-1) != 1 or (t.stride(0) * e) % 16
+                or (t.shape[1] > 1 and (t.stride(1) * e) % 16)):
+            return False
+    return True
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's global-scratch allocator (``triton.set_allocator``) for the tensor descriptors a TMA program
+    makes on the device (128 bytes each): ``size`` bytes on the current CUDA device, on the current stream
+    (the kernel's; PyTorch's allocations are 512-byte aligned, more than any ``alignment`` Triton asks)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Install :func:`_scratch` as Triton's allocator in this thread's context unless one is set (Triton's
+    default raises at the launch of a kernel that needs scratch). NOTE: Triton 3.6 has no public getter:
+    this reads its ``runtime._allocation._allocator`` context variable."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -318,7 +406,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         causal_offset: None = non-causal; an int = query i sees keys j <= i + causal_offset (may be
             negative, so leading queries see nothing, or >= Tk, so all see everything).
         config: tile config override (``PREFILL_CONFIGS`` name or dict, see :func:`resolve_config`);
-            benchmarks sweep it.
+            benchmarks sweep it. A config with ``TMA`` reads k and v through tensor descriptors where
+            :func:`tma_ok` allows (else through pointers, same results) and installs a Triton allocator for
+            the descriptors' scratch (128 bytes per descriptor and program) if none is set.
     Returns:
         out [Tq, H, Dv] in q's dtype; lse [Tq, H] fp32, natural log of Σ_j exp(scale · q·k_j) over the
         visible keys. A query that sees no key (Tk == 0, or a negative causal_offset) gets out 0 and
@@ -354,6 +444,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     cfg = resolve_config(q.dtype, config, D, Dv)
     interp = interpreting()  # NOTE: the interpreter's bf16/fp16 dots are wrong: it widens to fp32 dots
     d1, d2 = split_width(D)
+    tma = cfg.get("TMA", False) and tma_ok(cfg, k, v)
+    if tma and not interp:
+        _ensure_scratch_allocator()
     grid = (H, triton.cdiv(Tq, cfg["BLOCK_M"]))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _prefill_fwd_kernel[grid](
@@ -361,7 +454,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
             q.stride(0), q.stride(1), k.stride(0), k.stride(1) if k.shape[1] > 1 else 0,
             v.stride(0), v.stride(1) if v.shape[1] > 1 else 0, out.stride(0), out.stride(1), lse.stride(0),
             D=D, DV=Dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=q.dtype == torch.float32 or interp, INTERPRET=interp,
+            BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=q.dtype == torch.float32 or interp, INTERPRET=interp, TMA=tma,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
@@ -386,7 +479,8 @@ def compile_fwd(config: dict, dtype: str = "bf16", d: int = 192, dv: int = 128, 
            **{n: "i32" for n in ("Tq", "Tk", "causal_offset", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                  "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_lt")}}
     const = dict(D=d, DV=dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=cfg["BLOCK_M"],
-                 BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=dtype == "fp32", INTERPRET=False)
+                 BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=dtype == "fp32", INTERPRET=False,
+                 TMA=cfg.get("TMA", False))
     sig.update({c: "constexpr" for c in const})
     names = list(sig)
     div = [n for n in names if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_lt")]

@@ -4,6 +4,7 @@
 (16 heads, qk 192 = nope 128 + rope 64, v 128, bf16).
 
     python benchmarks/prefill_attention.py [--configs NAME ...] [--out FILE.json] [--skip-sdpa]
+    python benchmarks/prefill_attention.py --smoke --out /tmp/x.json   # CPU: TRITON_INTERPRET=1, tiny shapes
 
 Cases: causal prefill Tq = Tk in {4096, 16384} (offset 0) and a chunked-context piece (Tq 4096 new
 tokens against a 32768-row workspace chunk, non-causal). Per case and implementation: milliseconds
@@ -15,9 +16,13 @@ SDPA, and the kernel's relative error against the baseline's output (or, without
 the fp32 reference). SDPA: each backend (flash, efficient, cudnn) is tried alone with D != Dv; the
 table names the fastest that runs and lists the ones that refused (SDPA returns no LSE, which the
 chunked prefill needs to merge pieces, so it is a speed reference only). Every Triton tile config of
-``--configs`` (default: all of ``PREFILL_CONFIGS``) is timed; the best is marked.
+``--configs`` (default: all of ``PREFILL_CONFIGS``) is timed; the best is marked, and a config with
+TMA says whether these tensors let it read k and v through TMA (``tma_ok``; else it ran the pointer path).
 
-Prints a markdown table to stdout (and, with ``--out``, the raw rows as JSON). GPU only.
+Prints a markdown table to stdout (and, with ``--out``, the raw rows as JSON). The numbers mean something
+on a GPU only: ``--smoke`` (implied without CUDA) runs the same code on the CPU through Triton's
+interpreter with 2 heads and sequences of a few dozen tokens (same D / Dv), to check that every config
+and the table still run.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H, D, DV = 16, 192, 128
 CASES = [("causal4k", 4096, 4096, 0), ("causal16k", 16384, 16384, 0), ("chunk4k_32k", 4096, 32768, None)]
+SMOKE_H, SMOKE_CASES = 2, [("causal40", 40, 40, 0), ("chunk24_70", 24, 70, None)]
 BASELINE_LIMIT_BYTES = 40e9
 
 
@@ -36,12 +42,14 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--configs", nargs="+", default=None, metavar="NAME",
                     help="Triton tile configs to time (names of triton_prefill.PREFILL_CONFIGS; default all)")
-    ap.add_argument("--cases", nargs="+", default=None, metavar="CASE", choices=[c[0] for c in CASES],
+    ap.add_argument("--cases", nargs="+", default=None, metavar="CASE", choices=[c[0] for c in CASES + SMOKE_CASES],
                     help="a subset of the cases (default all)")
     ap.add_argument("--skip-baseline", action="store_true", help="do not time ops.attention_with_lse_inplace")
     ap.add_argument("--skip-sdpa", action="store_true", help="do not time torch SDPA")
     ap.add_argument("--replays", type=int, default=5, help="timed graph replays per measurement")
     ap.add_argument("--out", default=None, help="also write the raw rows to this JSON file")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of the code path: Triton interpreter, tiny shapes (implied without CUDA)")
     return ap.parse_args(argv)
 
 
@@ -52,18 +60,23 @@ def visible_pairs(tq: int, tk: int, off: int | None) -> int:
     return sum(min(tk, max(0, i + off + 1)) for i in range(tq))
 
 
-def baseline_bytes(tq: int, tk: int) -> float:
-    """Peak device memory of ``ops.attention_with_lse_inplace`` beyond its inputs: the fp32 [H, Tq, Tk]
-    scores plus fp32 copies of q, k, v (expanded to H heads) and the fp32 output."""
-    return 4.0 * (H * tq * tk + tq * H * D + tk * H * (D + DV) + tq * H * DV)
+def baseline_bytes(tq: int, tk: int, h: int = H) -> float:
+    """Peak device memory of ``ops.attention_with_lse_inplace`` beyond its inputs: the fp32 [h, Tq, Tk]
+    scores plus fp32 copies of q, k, v (expanded to h heads) and the fp32 output."""
+    return 4.0 * (h * tq * tk + tq * h * D + tk * h * (D + DV) + tq * h * DV)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    if not torch.cuda.is_available():
-        print("prefill_attention: needs a CUDA GPU", file=sys.stderr)
-        return 2
+    if not args.smoke and not torch.cuda.is_available():
+        print("prefill_attention: no CUDA GPU, running the CPU smoke check (--smoke)", file=sys.stderr)
+        args.smoke = True
+    if args.smoke:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            print("prefill_attention: --smoke needs TRITON_INTERPRET=1 before Triton is imported", file=sys.stderr)
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
     sys.path.insert(0, REPO)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import provenance
@@ -74,21 +87,22 @@ def main(argv=None) -> int:
     configs = args.configs or list(tp.PREFILL_CONFIGS)
     for name in configs:
         tp.resolve_config(torch.bfloat16, name)  # ValueError for an unknown name, before any timing
-    dev = torch.device("cuda")
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    gemm_rate = 2 * 8192 ** 3 / graph_seconds(lambda: a @ b, 4, args.replays)
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    h, cases, n_gemm = (SMOKE_H, SMOKE_CASES, 256) if args.smoke else (H, CASES, 8192)
+    a = torch.randn(n_gemm, n_gemm, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n_gemm, n_gemm, device=dev, dtype=torch.bfloat16)
+    gemm_rate = 2 * n_gemm ** 3 / graph_seconds(lambda: a @ b, 4, args.replays)
     del a, b
     rows, sdpa_refusals = [], {}
     scale = D ** -0.5
-    for label, tq, tk, off in CASES:
+    for label, tq, tk, off in cases:
         if args.cases and label not in args.cases:
             continue
         g = torch.Generator(device=dev).manual_seed(0)
-        q = torch.randn(tq, H, D, device=dev, dtype=torch.bfloat16, generator=g)
-        k = torch.randn(tk, H, D, device=dev, dtype=torch.bfloat16, generator=g)
-        v = torch.randn(tk, H, DV, device=dev, dtype=torch.bfloat16, generator=g)
-        flops = 2.0 * H * (D + DV) * visible_pairs(tq, tk, off)
+        q = torch.randn(tq, h, D, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(tk, h, D, device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(tk, h, DV, device=dev, dtype=torch.bfloat16, generator=g)
+        flops = 2.0 * h * (D + DV) * visible_pairs(tq, tk, off)
 
         def row(impl, seconds, **kw):
             r = dict(case=label, tq=tq, tk=tk, causal_offset=off, impl=impl, ms=seconds * 1e3,
@@ -99,11 +113,12 @@ def main(argv=None) -> int:
 
         ref_out = None
         base = None
-        if not args.skip_baseline and baseline_bytes(tq, tk) <= BASELINE_LIMIT_BYTES:
+        if not args.skip_baseline and baseline_bytes(tq, tk, h) <= BASELINE_LIMIT_BYTES:
             ref_out, _ = ops.attention_with_lse_inplace(q, k, v, scale, off)
             base = row("inplace (PyTorch)", graph_seconds(lambda: ops.attention_with_lse_inplace(q, k, v, scale, off),
                                                           1, args.replays))
-            torch.cuda.empty_cache()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         sdpa = None
         if not args.skip_sdpa:
             sdpa = time_sdpa(torch, graph_seconds, q, k, v, scale, off, args.replays, sdpa_refusals, label)
@@ -121,11 +136,14 @@ def main(argv=None) -> int:
             else:
                 err = ((out[idx].float() - ref_rows.float()).norm() / ref_rows.float().norm()).item()
             t = graph_seconds(fn, 3, args.replays)
+            cfg = tp.resolve_config(torch.bfloat16, name)
             row(f"triton {name}", t, rel_err=err, speedup_vs_inplace=base["ms"] / (t * 1e3) if base else None,
-                speedup_vs_sdpa=sdpa["ms"] / (t * 1e3) if sdpa else None)
+                speedup_vs_sdpa=sdpa["ms"] / (t * 1e3) if sdpa else None,
+                tma=bool(cfg.get("TMA")) and tp.tma_ok(cfg, k, v))
         del q, k, v, ref_out
-        torch.cuda.empty_cache()
-    print(markdown(rows, gemm_rate, sdpa_refusals, provenance.commit(short=True), torch))
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    print(markdown(rows, gemm_rate, sdpa_refusals, provenance.commit(short=True), torch, h, args.smoke))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(gemm_rate=gemm_rate, rows=rows, sdpa_refusals=sdpa_refusals), f, indent=1)
@@ -161,11 +179,13 @@ def time_sdpa(torch, graph_seconds, q, k, v, scale, off, replays, refusals, labe
     return best
 
 
-def markdown(rows, gemm_rate, refusals, commit, torch) -> str:
+def markdown(rows, gemm_rate, refusals, commit, torch, h=H, smoke=False) -> str:
     import triton
-    lines = [f"# MLA prefill attention, {torch.cuda.get_device_name()} (H {H}, D {D}, Dv {DV}, bf16)", "",
+    where = "CPU smoke (Triton interpreter: the times mean nothing)" if smoke else torch.cuda.get_device_name()
+    n_gemm = 256 if smoke else 8192
+    lines = [f"# MLA prefill attention, {where} (H {h}, D {D}, Dv {DV}, bf16)", "",
              f"commit {commit}; torch {torch.__version__}, triton {triton.__version__}; bf16 GEMM "
-             f"{gemm_rate / 1e12:.0f} TFLOP/s (8192³, measured in this run)", "",
+             f"{gemm_rate / 1e12:.2g} TFLOP/s ({n_gemm}³, measured in this run)", "",
              "| case | implementation | ms | TFLOP/s | / GEMM rate | vs in-place | vs SDPA | rel err |",
              "|---|---|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r["case"] for r in rows):
@@ -175,6 +195,8 @@ def markdown(rows, gemm_rate, refusals, commit, torch) -> str:
         for r in sel:
             sp = lambda key: f"{r[key]:.1f}x" if r.get(key) else "-"  # noqa: E731
             mark = " (best)" if r is best and len(tri) > 1 else ""
+            if r["impl"].endswith("_tma") and not r.get("tma"):
+                mark += " (pointer path: TMA not allowed here)"
             err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
             lines.append(f"| {case} | {r['impl']}{mark} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['gemm_frac']:.2f} | "
                          f"{sp('speedup_vs_inplace')} | {sp('speedup_vs_sdpa')} | {err} |")

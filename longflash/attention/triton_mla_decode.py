@@ -403,14 +403,15 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype, width: int = 5
     at B 16/64 x 128K; the third and fourth runs, f5c1d69 and 8d8d43d, measured M16 N32 w4 s3 faster at
     B16/32K, 0.836 vs 0.778, and equal elsewhere, so it is the default since session 21), fp8 M16 N32 w4 s3 with V reload and fp16 dots (0.34; 0.36-0.37 at 128K); 128 rows
     M64 N64 w8 s2 for both caches. 17-32 rows were not measured (the first run's M32 N32 w4 s3).
-    Narrow rows (``width`` <= ``NARROW_WIDTH``, e.g. the default model's 64 + 16) with <= 16 query rows: 256
-    cache rows per step over 8 warps (session 25: the 32-row tile spent a program 64 loop steps on a 2,048-row
-    split, 2.5 KB per step; the sm_90 compile reports of the 256-row tiles: 101 / 128 registers, no spills,
-    52 / 48 KB of shared memory, two programs per SM).
+    Narrow rows (``width`` <= ``NARROW_WIDTH``, e.g. the default model's 64 + 16) with <= 16 query rows: 128
+    cache rows per step, 3 stages (session 25, ``benchmarks/results/mla_decode_narrow.h200.md``, 4 heads, B16 x
+    128K: 0.758 of copy for bf16 and 0.350 for fp8, against 0.524 / 0.245 for the 32-row tile used before, whose
+    program walked a 2,048-row split in 64 steps of 2.5 KB; 256 rows over 4 or 8 warps and 512 rows measured
+    slower).
     ``benchmarks/mla_decode.py`` times :func:`candidate_configs` against them."""
     fp8 = cache_dtype == FP8_DTYPE
     if max_query_rows <= 16 and width <= NARROW_WIDTH:
-        return {"BLOCK_M": 16, "BLOCK_N": 256, "num_warps": 8, "num_stages": 2, "V_RELOAD": fp8, "TRANS": False,
+        return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "V_RELOAD": fp8, "TRANS": False,
                 "F16": fp8, "PREFETCH": False, "occupancy": 2}
     if max_query_rows <= 16 and fp8:
         return dict(GLUON_FP8_CONFIG)
@@ -439,8 +440,8 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype, width: int 
     d = default_config(max_query_rows, cache_dtype, width)
     if max_query_rows <= 16 and width <= NARROW_WIDTH:
         old = dict(TRITON_FP8_CONFIG) if fp8 else default_config(max_query_rows, cache_dtype)
-        cands = [dict(d, BLOCK_N=128, num_warps=4, num_stages=3), dict(d, num_warps=4),
-                 dict(d, BLOCK_N=512, occupancy=1 if fp8 else 2), old]
+        cands = [dict(d, BLOCK_N=256, num_warps=8, num_stages=2), dict(d, BLOCK_N=256, num_stages=2),
+                 dict(d, BLOCK_N=512, num_warps=8, num_stages=2, occupancy=1 if fp8 else 2), old]
     elif max_query_rows <= 16 and fp8:
         g = GLUON_FP8_CONFIG
         tr = TRITON_FP8_CONFIG

@@ -62,6 +62,15 @@ T0 = time.perf_counter()
 BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL")}
 
 
+def model_config(dev: torch.device, max_len: int) -> tuple[dict, torch.dtype]:
+    """The DeepSeek-V3-shaped config (``FULL`` on a GPU, ``TINY`` on the CPU) with room for ``max_len``
+    positions, and the dtype its checkpoint is built in (bf16 on a GPU, fp32 on the CPU); shared by
+    ``long_decode.py`` and ``profile_prefill.py``."""
+    cfg = dict(FULL if dev.type == "cuda" else TINY)
+    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], max_len)
+    return cfg, torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", flush=True)
 

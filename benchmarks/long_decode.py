@@ -48,9 +48,7 @@ def main() -> int:
     if args.batch < 1 or args.input_len < 1 or args.output_len < 2:
         raise SystemExit("--batch and --input-len must be >= 1, --output-len >= 2")
     max_len = -(-(args.input_len + args.output_len + 8) // 64) * 64
-    cfg = dict(e2e.FULL if dev.type == "cuda" else e2e.TINY)
-    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], max_len)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg, dtype = e2e.model_config(dev, max_len)
     res = {"config": cfg, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "args": vars(args), "command": " ".join(["python3"] + sys.argv),
            "commit": provenance.commit()}

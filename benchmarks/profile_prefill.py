@@ -46,9 +46,7 @@ def main() -> int:
         raise SystemExit("--input-len, --max-num-batched-tokens and --requests must be >= 1")
     os.makedirs(args.out, exist_ok=True)
     max_len = -(-(args.input_len + 8) // 64) * 64
-    cfg = dict(e2e.FULL if dev.type == "cuda" else e2e.TINY)
-    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], max_len)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg, dtype = e2e.model_config(dev, max_len)
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "args": vars(args), "command": " ".join(["python3"] + sys.argv), "commit": provenance.commit()}
     from longflash import LLM, SamplingParams

@@ -195,7 +195,7 @@ def markdown(rows, gemm_rate, refusals, commit, torch, h=H, smoke=False) -> str:
         for r in sel:
             sp = lambda key: f"{r[key]:.1f}x" if r.get(key) else "-"  # noqa: E731
             mark = " (best)" if r is best and len(tri) > 1 else ""
-            if r["impl"].endswith("_tma") and not r.get("tma"):
+            if "_tma" in r["impl"] and not r.get("tma"):
                 mark += " (pointer path: TMA not allowed here)"
             err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
             lines.append(f"| {case} | {r['impl']}{mark} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['gemm_frac']:.2f} | "

@@ -25,6 +25,9 @@ Work layout:
   allocation per launch, 128 bytes per descriptor); out-of-bounds rows and columns read as 0 either
   way, so the same values reach the same dots and both give the same bits (the interpreter tests check
   it; a GPU test too). Tensors whose alignment TMA does not allow take the pointer tiles.
+- ``OVERLAP`` configs run the unmasked key tiles in pairs with each tile's scores computed before the
+  previous tile's softmax (:func:`_key_pair`), the scores' two dots in the other order (D2 part first):
+  results differ from the plain step's by fp32 rounding, and do not depend on the chunk start either.
 - grid (H, cdiv(Tq, BLOCK_M)) with the head the fastest axis and the query tiles in reverse order: the
   programs with the most causal work start first (a longest-first schedule), and the heads that share a
   single KV head's tiles run together.
@@ -68,8 +71,16 @@ LOG2E = 1.4426950408889634
 # The "_tma" entries (issue #10, not yet timed on a GPU) read the key and value tiles through TMA tensor
 # descriptors: Triton then pipelines them as TMA copies completing on mbarriers (no per-thread
 # addresses: 128x128 s2 needs 200 registers instead of 255) instead of cp.async; same smem plus the
-# barriers. 64x128 w4 exists only with TMA (with cp.async it spills 680 bytes); 128x128 s3 needs 289 KB
-# of shared memory and does not fit.
+# barriers. NOTE: with cp.async ptxas serializes every wgmma of the kernel (its warning C7515, "non
+# wgmma instructions defining accumulator registers"; only with both key loops in the kernel, not with
+# either alone): the SASS waits after each HGMMA, 32 waits for 32 HGMMAs at 128x64 s3, where the TMA
+# kernel keeps one wait per dot (6 for 32). The "_ms1" entries are the cp.async kernels with the masked
+# key loop not pipelined (MASKED_STAGES=1: its 1-3 tiles per program load without prefetch), which
+# ptxas does not serialize either: they tell the TMA copies' gain from the de-serialization's.
+# 64x128 w4 exists only with TMA (with cp.async it spills 680 bytes); 128x128 s3 needs 289 KB of shared
+# memory and does not fit. The "_ov" entries add OVERLAP (:func:`_key_pair`: the next tile's scores run
+# during a softmax, for every second tile); their unrolled pair of steps needs two sets of key/value
+# buffers (128x64 s2: 224 KB), and their pointer fallback is poor (128x64 spills registers).
 PREFILL_CONFIGS: dict[str, dict] = {
     "m128_n128_w8_s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     "m128_n64_w8_s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
@@ -81,13 +92,19 @@ PREFILL_CONFIGS: dict[str, dict] = {
     "m128_n64_w8_s4_tma": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, TMA=True),
     "m64_n128_w4_s2_tma": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, TMA=True),
     "m64_n64_w4_s2_tma": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),
+    "m128_n64_w8_s2_tma_ov": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=True, OVERLAP=True),
+    "m128_n32_w8_s4_tma_ov": dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4, TMA=True, OVERLAP=True),
+    "m128_n128_w8_s2_ms1": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, MASKED_STAGES=1),
+    "m128_n64_w8_s3_ms1": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, MASKED_STAGES=1),
 }
 # The default for bf16/fp16 is the first config in this order whose operand buffers fit
 # (:func:`smem_bytes` <= SMEM_BUDGET): wider heads than DeepSeek-V3's fall back to smaller tiles.
 DEFAULT_ORDER = ("m128_n128_w8_s2", "m128_n64_w8_s3", "m128_n64_w8_s2", "m64_n64_w4_s2")
 # Keys a config may add to the four above, with their default: TMA reads the key and value tiles through
-# TMA tensor descriptors (see :func:`tma_ok`; the pointer path where alignment does not allow it).
-OPTIONAL_KEYS = {"TMA": False}
+# TMA tensor descriptors (see :func:`tma_ok`; the pointer path where alignment does not allow it);
+# OVERLAP runs the unmasked key tiles in pairs with the scores computed a tile ahead (:func:`_key_pair`);
+# MASKED_STAGES (None: num_stages) is the software-pipeline depth of the masked key loop alone.
+OPTIONAL_KEYS = {"TMA": False, "OVERLAP": False, "MASKED_STAGES": None}
 SMEM_BUDGET = 220 * 1024  # sm_90: 227 KB per block, less a margin for the compiler's scratch
 FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
 # The interpreter runs a program's tiles as NumPy ops: small tiles keep the CPU tests fast and put
@@ -140,25 +157,39 @@ def _kv_tile(src, off, start, col0, n, Tk, c, C: tl.constexpr, BLOCK_C: tl.const
 
 
 @triton.jit
-def _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk, causal_offset, qk_scale,
-              stride_kt, stride_vt, D: tl.constexpr, DV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              IEEE: tl.constexpr, TMA: tl.constexpr):
-    """One BLOCK_N-key step of the online softmax for the program's query tile. ``MASKED``: apply the
-    Tk bound and (``CAUSAL``) the causal rule, and guard rows that have seen no key yet (m = −inf);
-    otherwise every (query, key) pair of the tile is visible. ``k_src1`` / ``k_src2`` / ``v_src``: the
-    key parts' and the values' tensor descriptors under ``TMA``, else their pointer tiles (:func:`_kv_tile`)."""
+def _scores(q1, q2, k_src1, k_src2, start, koff, Tk, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+            LONG_LAST: tl.constexpr):
+    """Raw scores ``q · kᵀ`` [BLOCK_M, BLOCK_N] fp32 of the key rows ``start + [0, BLOCK_N)`` (``koff``
+    elements into the pointer tiles; rows >= Tk read as 0 under ``MASKED`` or ``TMA``). ``LONG_LAST``: the
+    D2-wide product first and the D1-wide one accumulated onto it (the longer dot last: the one an
+    overlapped step leaves running); else D1 first."""
     n = start + tl.arange(0, BLOCK_N)
     d1 = tl.arange(0, D1)
-    dv = tl.arange(0, BLOCK_DV)
-    koff = start.to(tl.int64) * stride_kt  # pointer tiles only
-    voff = start.to(tl.int64) * stride_vt
-    k1 = _kv_tile(k_src1, koff, start, 0, n, Tk, d1, D, D1, MASKED, IEEE, TMA)
-    s = dot_acc(q1, tl.trans(k1), None, IEEE)
-    if D2 > 0:
-        # the second part's columns D1 + d2 (< D real): D - D1 of its D2
+    if LONG_LAST and D2 > 0:
         k2 = _kv_tile(k_src2, koff, start, D1, n, Tk, tl.arange(0, D2), D - D1, D2, MASKED, IEEE, TMA)
-        s = dot_acc(q2, tl.trans(k2), s, IEEE)
+        s = dot_acc(q2, tl.trans(k2), None, IEEE)
+        k1 = _kv_tile(k_src1, koff, start, 0, n, Tk, d1, D, D1, MASKED, IEEE, TMA)
+        s = dot_acc(q1, tl.trans(k1), s, IEEE)
+    else:
+        k1 = _kv_tile(k_src1, koff, start, 0, n, Tk, d1, D, D1, MASKED, IEEE, TMA)
+        s = dot_acc(q1, tl.trans(k1), None, IEEE)
+        if D2 > 0:
+            # the second part's columns D1 + d2 (< D real): D - D1 of its D2
+            k2 = _kv_tile(k_src2, koff, start, D1, n, Tk, tl.arange(0, D2), D - D1, D2, MASKED, IEEE, TMA)
+            s = dot_acc(q2, tl.trans(k2), s, IEEE)
+    return s
+
+
+@triton.jit
+def _softmax_pv(s, acc, m_i, l_i, v_src, start, voff, rows, Tk, causal_offset, qk_scale,
+                DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+    """The online-softmax update of (acc, m, l) by the raw scores ``s`` of the key rows ``start + [0,
+    BLOCK_N)`` and their value rows (``voff`` elements into the pointer tile). ``MASKED``: apply the Tk
+    bound and (``CAUSAL``) the causal rule, and guard rows that have seen no key yet (m = −inf); otherwise
+    every (query, key) pair is visible."""
+    n = start + tl.arange(0, BLOCK_N)
     # NOTE: the mask goes on the raw dot and both paths then run the same operations (max, then one
     # FMA per score), so a query's result does not depend on whether the other queries of its tile made
     # a key tile masked: the same query gets the same bits wherever its chunk starts. Needs qk_scale > 0.
@@ -172,7 +203,7 @@ def _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk, cau
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: p = 0
     else:
         m_use = m_new
-    v = _kv_tile(v_src, voff, start, 0, n, Tk, dv, DV, BLOCK_DV, MASKED, IEEE, TMA)
+    v = _kv_tile(v_src, voff, start, 0, n, Tk, tl.arange(0, BLOCK_DV), DV, BLOCK_DV, MASKED, IEEE, TMA)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -181,16 +212,63 @@ def _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk, cau
 
 
 @triton.jit
+def _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk, causal_offset, qk_scale,
+              stride_kt, stride_vt, D: tl.constexpr, DV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              IEEE: tl.constexpr, TMA: tl.constexpr, LONG_LAST: tl.constexpr):
+    """One BLOCK_N-key step of the online softmax for the program's query tile: its scores (``LONG_LAST``:
+    see :func:`_scores`), then the update (:func:`_softmax_pv`; ``MASKED`` there). ``k_src1`` / ``k_src2``
+    / ``v_src``: the key parts' and the values' tensor descriptors under ``TMA``, else their pointer tiles
+    (:func:`_kv_tile`)."""
+    koff = start.to(tl.int64) * stride_kt  # pointer tiles only
+    voff = start.to(tl.int64) * stride_vt
+    s = _scores(q1, q2, k_src1, k_src2, start, koff, Tk, D, D1, D2, BLOCK_N, MASKED, IEEE, TMA, LONG_LAST)
+    return _softmax_pv(s, acc, m_i, l_i, v_src, start, voff, rows, Tk, causal_offset, qk_scale, DV, BLOCK_DV,
+                       BLOCK_N, MASKED, CAUSAL, IEEE, TMA)
+
+
+@triton.jit
+def _key_pair(s_a, q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk, causal_offset, qk_scale,
+              stride_kt, stride_vt, D: tl.constexpr, DV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+              TMA: tl.constexpr):
+    """Two unmasked key steps (tiles ``start`` and ``start + BLOCK_N``), each tile's scores issued before
+    the softmax of the tile before it (FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024).
+    ``s_a``: the raw scores of tile ``start`` (from the pair before, or the kernel's prologue); returns
+    (acc, m, l, the raw scores of tile ``start + 2 BLOCK_N``), read with masked loads (it may pass Tk and
+    goes unused at the end of the range). What Triton 3.6 makes of it on sm_90: a dot whose result is
+    used in the same iteration is waited for at once, so only the scores carried to the next pair (the
+    D1-wide part of tile start + 2 BLOCK_N, 2/3 of its product) run while tile start + BLOCK_N's softmax
+    does. NOTE: two steps per call on purpose: with one, the carried scores are copied into the next
+    step's registers at the loop's back edge while their wgmma runs, and ptxas serializes every wgmma
+    of the kernel (its warning C7514)."""
+    so = BLOCK_N * stride_kt
+    koff = start.to(tl.int64) * stride_kt
+    voff = start.to(tl.int64) * stride_vt
+    s_b = _scores(q1, q2, k_src1, k_src2, start + BLOCK_N, koff + so, Tk, D, D1, D2, BLOCK_N, False, IEEE, TMA,
+                  True)
+    acc, m_i, l_i = _softmax_pv(s_a, acc, m_i, l_i, v_src, start, voff, rows, Tk, causal_offset, qk_scale, DV,
+                                BLOCK_DV, BLOCK_N, False, CAUSAL, IEEE, TMA)
+    s_a = _scores(q1, q2, k_src1, k_src2, start + 2 * BLOCK_N, koff + 2 * so, Tk, D, D1, D2, BLOCK_N, True, IEEE,
+                  TMA, True)
+    acc, m_i, l_i = _softmax_pv(s_b, acc, m_i, l_i, v_src, start + BLOCK_N, voff + BLOCK_N * stride_vt, rows, Tk,
+                                causal_offset, qk_scale, DV, BLOCK_DV, BLOCK_N, False, CAUSAL, IEEE, TMA)
+    return acc, m_i, l_i, s_a
+
+
+@triton.jit
 def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk, causal_offset,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_ot, stride_oh, stride_lt, D: tl.constexpr, DV: tl.constexpr,
                         D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                        INTERPRET: tl.constexpr, TMA: tl.constexpr):
+                        INTERPRET: tl.constexpr, TMA: tl.constexpr, OVERLAP: tl.constexpr,
+                        MASKED_STAGES: tl.constexpr):
     """Grid (H, cdiv(Tq, BLOCK_M)); the last dimension of every tensor is contiguous (stride 1); a
     head stride of 0 broadcasts one KV head. ``qk_scale`` = softmax scale · log2(e). ``TMA``: the key and
     value tiles are read through tensor descriptors made here (the host checked TMA's alignment rules,
-    :func:`tma_ok`), else through pointer tiles; the query tile through pointers either way."""
+    :func:`tma_ok`), else through pointer tiles; the query tile through pointers either way. ``OVERLAP``:
+    the unmasked tiles run in pairs of :func:`_key_pair`."""
     h = tl.program_id(0).to(tl.int64)
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest (causal) work first
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -236,28 +314,51 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # NOTE: each loop appears twice on purpose: the compiled kernel needs `range` for Triton's pipeliner,
-    # the interpreter a `while` over tensor bounds; the step itself is `_key_tile`.
+    # the interpreter a `while` over tensor bounds; the steps are `_key_tile` and `_key_pair`.
+    # OVERLAP: the unmasked range runs in pairs of tiles; an odd last one joins the masked steps (exact for
+    # a tile every query sees; a third loop for it makes ptxas serialize the wgmmas, warning C7515), whose
+    # scores then take the pairs' dot order, so that a query's bits do not depend on whether its tile ran
+    # in a pair. The prologue reads the first pair's scores (a wasted tile when there is no pair).
+    if OVERLAP:
+        pair_end = (full_end // (2 * BLOCK_N)) * (2 * BLOCK_N)
+        s_a = _scores(q1, q2, k_src1, k_src2, pair_end * 0, pair_end.to(tl.int64) * 0, Tk, D, D1, D2, BLOCK_N, True,
+                      IEEE, TMA, True)
+    else:
+        pair_end = full_end
     if INTERPRET:
         start = full_end * 0
-        while start < full_end:
-            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
-                                      causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
-                                      BLOCK_N, False, CAUSAL, IEEE, TMA)
-            start += BLOCK_N
+        if OVERLAP:
+            while start < pair_end:
+                acc, m_i, l_i, s_a = _key_pair(s_a, q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
+                                               causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2,
+                                               BLOCK_DV, BLOCK_N, CAUSAL, IEEE, TMA)
+                start += 2 * BLOCK_N
+        else:
+            while start < full_end:
+                acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
+                                          causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
+                                          BLOCK_N, False, CAUSAL, IEEE, TMA, False)
+                start += BLOCK_N
         while start < hi:
             acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
                                       causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
-                                      BLOCK_N, True, CAUSAL, IEEE, TMA)
+                                      BLOCK_N, True, CAUSAL, IEEE, TMA, OVERLAP)
             start += BLOCK_N
     else:
-        for start in range(0, full_end, BLOCK_N):
+        if OVERLAP:
+            for start in range(0, pair_end, 2 * BLOCK_N):
+                acc, m_i, l_i, s_a = _key_pair(s_a, q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
+                                               causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2,
+                                               BLOCK_DV, BLOCK_N, CAUSAL, IEEE, TMA)
+        else:
+            for start in range(0, full_end, BLOCK_N):
+                acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
+                                          causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
+                                          BLOCK_N, False, CAUSAL, IEEE, TMA, False)
+        for start in tl.range(pair_end, hi, BLOCK_N, num_stages=MASKED_STAGES):
             acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
                                       causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
-                                      BLOCK_N, False, CAUSAL, IEEE, TMA)
-        for start in range(full_end, hi, BLOCK_N):
-            acc, m_i, l_i = _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk,
-                                      causal_offset, qk_scale, stride_kt, stride_vt, D, DV, D1, D2, BLOCK_DV,
-                                      BLOCK_N, True, CAUSAL, IEEE, TMA)
+                                      BLOCK_N, True, CAUSAL, IEEE, TMA, OVERLAP)
 
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -272,7 +373,7 @@ def smem_bytes(config: dict, d: int, dv: int, elem: int = 2) -> int:
     """Shared memory of a config's operand buffers in bytes: the query tile plus ``num_stages`` key and
     value tiles (``elem`` bytes per element; padded widths). Matches the compiled kernel's allocation
     at D 192 / Dv 128 bf16 (128 KB for 128x64 s2, 208 KB for 128x128 s2; a TMA config adds 1 KB of
-    mbarriers)."""
+    mbarriers). Not modelled: an OVERLAP config's two sets of key/value buffers."""
     d1, d2 = split_width(d)
     bdv = max(16, triton.next_power_of_2(dv))
     return elem * (config["BLOCK_M"] * (d1 + d2)
@@ -304,9 +405,11 @@ def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int 
     """The tile config a call runs: ``config`` (a ``PREFILL_CONFIGS`` name, or a dict with BLOCK_M,
     BLOCK_N, num_warps, num_stages whose missing keys come from the default) or, if None,
     :func:`default_config` for ``dtype`` and widths ``d`` / ``dv``. A dict may also set the optional keys of
-    ``OPTIONAL_KEYS`` (``TMA``: read k and v through tensor descriptors).
+    ``OPTIONAL_KEYS`` (``TMA``: read k and v through tensor descriptors; ``OVERLAP``: key tiles in pairs;
+    ``MASKED_STAGES``: the masked loop's pipeline depth).
     Raises ValueError for an unknown name, unknown keys, tile sizes that are not powers of two >= 16,
-    num_warps not a power of two in 1..16, num_stages not an int >= 1, or a TMA that is not a bool."""
+    num_warps not a power of two in 1..16, num_stages not an int >= 1, a TMA / OVERLAP that is not a
+    bool, or a MASKED_STAGES that is neither None nor an int >= 1."""
     if config is None:
         return default_config(dtype, d, dv)
     if isinstance(config, str):
@@ -327,8 +430,12 @@ def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int 
         raise ValueError(f"num_warps must be a power of two in 1..16, got {w!r}")
     if not isinstance(st, int) or isinstance(st, bool) or st < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {st!r}")
-    if not isinstance(cfg.get("TMA", False), bool):
-        raise ValueError(f"TMA must be a bool, got {cfg['TMA']!r}")
+    for key in ("TMA", "OVERLAP"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise ValueError(f"{key} must be a bool, got {cfg[key]!r}")
+    ms = cfg.get("MASKED_STAGES")
+    if ms is not None and (not isinstance(ms, int) or isinstance(ms, bool) or ms < 1):
+        raise ValueError(f"MASKED_STAGES must be None or an int >= 1, got {ms!r}")
     return cfg
 
 
@@ -455,6 +562,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
             v.stride(0), v.stride(1) if v.shape[1] > 1 else 0, out.stride(0), out.stride(1), lse.stride(0),
             D=D, DV=Dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=q.dtype == torch.float32 or interp, INTERPRET=interp, TMA=tma,
+            OVERLAP=cfg.get("OVERLAP", False), MASKED_STAGES=cfg.get("MASKED_STAGES"),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
@@ -480,7 +588,8 @@ def compile_fwd(config: dict, dtype: str = "bf16", d: int = 192, dv: int = 128, 
                                  "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_lt")}}
     const = dict(D=d, DV=dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=cfg["BLOCK_M"],
                  BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=dtype == "fp32", INTERPRET=False,
-                 TMA=cfg.get("TMA", False))
+                 TMA=cfg.get("TMA", False), OVERLAP=cfg.get("OVERLAP", False),
+                 MASKED_STAGES=cfg.get("MASKED_STAGES"))
     sig.update({c: "constexpr" for c in const})
     names = list(sig)
     div = [n for n in names if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_lt")]

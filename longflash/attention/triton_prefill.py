@@ -68,10 +68,12 @@ LOG2E = 1.4426950408889634
 # same kernel before the masked and unmasked steps were made alike, ~3% slower): causal 16K 128x64 s4
 # 3.29, 64x64 3.71, 128x64 s2 4.11 ms; causal 4K 128x128 s2 0.22 ms. For comparison, the in-place
 # PyTorch form took 107.9 / 47.0 ms and cuDNN's SDPA (no LSE) 2.24 / 2.03 ms.
-# The "_tma" entries (issue #10, not yet timed on a GPU) read the key and value tiles through TMA tensor
-# descriptors: Triton then pipelines them as TMA copies completing on mbarriers (no per-thread
-# addresses: 128x128 s2 needs 200 registers instead of 255) instead of cp.async; same smem plus the
-# barriers. NOTE: with cp.async ptxas serializes every wgmma of the kernel (its warning C7515, "non
+# The "_tma" entries (issue #10) read the key and value tiles through TMA tensor descriptors: Triton then
+# pipelines them as TMA copies completing on mbarriers (no per-thread addresses: 128x128 s2 needs 200
+# registers instead of 255) instead of cp.async; same smem plus the barriers. H200
+# (benchmarks/results/prefill_attention_tma.h200.md): 128x64 s3 TMA, the best, causal 16K 2.59 ms (0.66
+# of the GEMM rate) against 3.19 for the best cp.async tile, causal 4K 0.190 vs 0.219, the 4K x 32K chunk
+# 2.46 vs 3.18; the "_ms1" and "_ov" entries below are not yet timed. NOTE: with cp.async ptxas serializes every wgmma of the kernel (its warning C7515, "non
 # wgmma instructions defining accumulator registers"; only with both key loops in the kernel, not with
 # either alone): the SASS waits after each HGMMA, 32 waits for 32 HGMMAs at 128x64 s3, where the TMA
 # kernel keeps one wait per dot (6 for 32). The "_ms1" entries are the cp.async kernels with the masked
@@ -157,14 +159,13 @@ def _kv_tile(src, off, start, col0, n, Tk, c, C: tl.constexpr, BLOCK_C: tl.const
 
 
 @triton.jit
-def _scores(q1, q2, k_src1, k_src2, start, koff, Tk, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+def _scores(q1, q2, k_src1, k_src2, start, n, koff, Tk, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
             LONG_LAST: tl.constexpr):
-    """Raw scores ``q · kᵀ`` [BLOCK_M, BLOCK_N] fp32 of the key rows ``start + [0, BLOCK_N)`` (``koff``
+    """Raw scores ``q · kᵀ`` [BLOCK_M, BLOCK_N] fp32 of the key rows ``n = start + [0, BLOCK_N)`` (``koff``
     elements into the pointer tiles; rows >= Tk read as 0 under ``MASKED`` or ``TMA``). ``LONG_LAST``: the
     D2-wide product first and the D1-wide one accumulated onto it (the longer dot last: the one an
     overlapped step leaves running); else D1 first."""
-    n = start + tl.arange(0, BLOCK_N)
     d1 = tl.arange(0, D1)
     if LONG_LAST and D2 > 0:
         k2 = _kv_tile(k_src2, koff, start, D1, n, Tk, tl.arange(0, D2), D - D1, D2, MASKED, IEEE, TMA)
@@ -182,14 +183,13 @@ def _scores(q1, q2, k_src1, k_src2, start, koff, Tk, D: tl.constexpr, D1: tl.con
 
 
 @triton.jit
-def _softmax_pv(s, acc, m_i, l_i, v_src, start, voff, rows, Tk, causal_offset, qk_scale,
+def _softmax_pv(s, acc, m_i, l_i, v_src, start, n, voff, rows, Tk, causal_offset, qk_scale,
                 DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                 CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
-    """The online-softmax update of (acc, m, l) by the raw scores ``s`` of the key rows ``start + [0,
+    """The online-softmax update of (acc, m, l) by the raw scores ``s`` of the key rows ``n = start + [0,
     BLOCK_N)`` and their value rows (``voff`` elements into the pointer tile). ``MASKED``: apply the Tk
     bound and (``CAUSAL``) the causal rule, and guard rows that have seen no key yet (m = −inf); otherwise
     every (query, key) pair is visible."""
-    n = start + tl.arange(0, BLOCK_N)
     # NOTE: the mask goes on the raw dot and both paths then run the same operations (max, then one
     # FMA per score), so a query's result does not depend on whether the other queries of its tile made
     # a key tile masked: the same query gets the same bits wherever its chunk starts. Needs qk_scale > 0.
@@ -220,10 +220,11 @@ def _key_tile(q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk, cau
     see :func:`_scores`), then the update (:func:`_softmax_pv`; ``MASKED`` there). ``k_src1`` / ``k_src2``
     / ``v_src``: the key parts' and the values' tensor descriptors under ``TMA``, else their pointer tiles
     (:func:`_kv_tile`)."""
+    n = start + tl.arange(0, BLOCK_N)
     koff = start.to(tl.int64) * stride_kt  # pointer tiles only
     voff = start.to(tl.int64) * stride_vt
-    s = _scores(q1, q2, k_src1, k_src2, start, koff, Tk, D, D1, D2, BLOCK_N, MASKED, IEEE, TMA, LONG_LAST)
-    return _softmax_pv(s, acc, m_i, l_i, v_src, start, voff, rows, Tk, causal_offset, qk_scale, DV, BLOCK_DV,
+    s = _scores(q1, q2, k_src1, k_src2, start, n, koff, Tk, D, D1, D2, BLOCK_N, MASKED, IEEE, TMA, LONG_LAST)
+    return _softmax_pv(s, acc, m_i, l_i, v_src, start, n, voff, rows, Tk, causal_offset, qk_scale, DV, BLOCK_DV,
                        BLOCK_N, MASKED, CAUSAL, IEEE, TMA)
 
 
@@ -242,17 +243,18 @@ def _key_pair(s_a, q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk
     does. NOTE: two steps per call on purpose: with one, the carried scores are copied into the next
     step's registers at the loop's back edge while their wgmma runs, and ptxas serializes every wgmma
     of the kernel (its warning C7514)."""
+    n = start + tl.arange(0, BLOCK_N)
     so = BLOCK_N * stride_kt
     koff = start.to(tl.int64) * stride_kt
     voff = start.to(tl.int64) * stride_vt
-    s_b = _scores(q1, q2, k_src1, k_src2, start + BLOCK_N, koff + so, Tk, D, D1, D2, BLOCK_N, False, IEEE, TMA,
-                  True)
-    acc, m_i, l_i = _softmax_pv(s_a, acc, m_i, l_i, v_src, start, voff, rows, Tk, causal_offset, qk_scale, DV,
+    s_b = _scores(q1, q2, k_src1, k_src2, start + BLOCK_N, n + BLOCK_N, koff + so, Tk, D, D1, D2, BLOCK_N, False,
+                  IEEE, TMA, True)
+    acc, m_i, l_i = _softmax_pv(s_a, acc, m_i, l_i, v_src, start, n, voff, rows, Tk, causal_offset, qk_scale, DV,
                                 BLOCK_DV, BLOCK_N, False, CAUSAL, IEEE, TMA)
-    s_a = _scores(q1, q2, k_src1, k_src2, start + 2 * BLOCK_N, koff + 2 * so, Tk, D, D1, D2, BLOCK_N, True, IEEE,
-                  TMA, True)
-    acc, m_i, l_i = _softmax_pv(s_b, acc, m_i, l_i, v_src, start + BLOCK_N, voff + BLOCK_N * stride_vt, rows, Tk,
-                                causal_offset, qk_scale, DV, BLOCK_DV, BLOCK_N, False, CAUSAL, IEEE, TMA)
+    s_a = _scores(q1, q2, k_src1, k_src2, start + 2 * BLOCK_N, n + 2 * BLOCK_N, koff + 2 * so, Tk, D, D1, D2,
+                  BLOCK_N, True, IEEE, TMA, True)
+    acc, m_i, l_i = _softmax_pv(s_b, acc, m_i, l_i, v_src, start + BLOCK_N, n + BLOCK_N, voff + BLOCK_N * stride_vt,
+                                rows, Tk, causal_offset, qk_scale, DV, BLOCK_DV, BLOCK_N, False, CAUSAL, IEEE, TMA)
     return acc, m_i, l_i, s_a
 
 
@@ -321,8 +323,8 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk,
     # in a pair. The prologue reads the first pair's scores (a wasted tile when there is no pair).
     if OVERLAP:
         pair_end = (full_end // (2 * BLOCK_N)) * (2 * BLOCK_N)
-        s_a = _scores(q1, q2, k_src1, k_src2, pair_end * 0, pair_end.to(tl.int64) * 0, Tk, D, D1, D2, BLOCK_N, True,
-                      IEEE, TMA, True)
+        s_a = _scores(q1, q2, k_src1, k_src2, pair_end * 0, tl.arange(0, BLOCK_N), pair_end.to(tl.int64) * 0, Tk, D,
+                      D1, D2, BLOCK_N, True, IEEE, TMA, True)
     else:
         pair_end = full_end
     if INTERPRET:

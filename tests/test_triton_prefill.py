@@ -396,7 +396,7 @@ def test_default_config_fits_shared_memory(monkeypatch):
     assert sorted(CONFIG_NAMES) == sorted(tp.PREFILL_CONFIGS)
     assert tp.smem_bytes(tp.PREFILL_CONFIGS["m128_n64_w8_s2"], 192, 128) == 131072
     assert tp.smem_bytes(tp.PREFILL_CONFIGS["m128_n128_w8_s2"], 192, 128) == 212992
-    assert tp.default_config(torch.bfloat16, 192, 128) == tp.PREFILL_CONFIGS["m128_n128_w8_s2"]
+    assert tp.default_config(torch.bfloat16, 192, 128) == tp.PREFILL_CONFIGS["m128_n64_w8_s3_tma"]
     assert tp.default_config(torch.bfloat16, 256, 256) == tp.PREFILL_CONFIGS["m128_n64_w8_s2"]
     assert tp.default_config(torch.float32, 192, 128) == tp.FP32_CONFIG
     # widths no tile fits go to the PyTorch form (dispatch_attention_with_lse); every current model's fit

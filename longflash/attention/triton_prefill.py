@@ -42,6 +42,7 @@ run-time tensor bounds fails there); on the GPU they are ``for`` loops that Trit
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import operator
@@ -100,8 +101,11 @@ PREFILL_CONFIGS: dict[str, dict] = {
     "m128_n64_w8_s3_ms1": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, MASKED_STAGES=1),
 }
 # The default for bf16/fp16 is the first config in this order whose operand buffers fit
-# (:func:`smem_bytes` <= SMEM_BUDGET): wider heads than DeepSeek-V3's fall back to smaller tiles.
-DEFAULT_ORDER = ("m128_n128_w8_s2", "m128_n64_w8_s3", "m128_n64_w8_s2", "m64_n64_w4_s2")
+# (:func:`smem_bytes` <= SMEM_BUDGET): wider heads than DeepSeek-V3's fall back to smaller tiles. The first,
+# 128x64 s3 through TMA, is the H200's fastest at every measured shape (session 25,
+# benchmarks/results/prefill_attention_tma.h200.md: 1.16-1.29x the cp.async 128x128 s2 it replaces); where TMA
+# cannot read the tensors or the GPU has no TMA (compute capability < 9.0) the same tile runs through pointers.
+DEFAULT_ORDER = ("m128_n64_w8_s3_tma", "m128_n128_w8_s2", "m128_n64_w8_s3", "m128_n64_w8_s2", "m64_n64_w4_s2")
 # Keys a config may add to the four above, with their default: TMA reads the key and value tiles through
 # TMA tensor descriptors (see :func:`tma_ok`; the pointer path where alignment does not allow it);
 # OVERLAP runs the unmasked key tiles in pairs with the scores computed a tile ahead (:func:`_key_pair`);
@@ -405,7 +409,8 @@ def fits(d: int, dv: int) -> bool:
 
 def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int = 192, dv: int = 128) -> dict:
     """The tile config a call runs: ``config`` (a ``PREFILL_CONFIGS`` name, or a dict with BLOCK_M,
-    BLOCK_N, num_warps, num_stages whose missing keys come from the default) or, if None,
+    BLOCK_N, num_warps, num_stages whose missing keys come from the default's; its optional keys are off
+    unless the dict sets them) or, if None,
     :func:`default_config` for ``dtype`` and widths ``d`` / ``dv``. A dict may also set the optional keys of
     ``OPTIONAL_KEYS`` (``TMA``: read k and v through tensor descriptors; ``OVERLAP``: key tiles in pairs;
     ``MASKED_STAGES``: the masked loop's pipeline depth).
@@ -418,7 +423,9 @@ def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int 
         if config not in PREFILL_CONFIGS:
             raise ValueError(f"unknown prefill config {config!r}; known: {sorted(PREFILL_CONFIGS)}")
         return dict(PREFILL_CONFIGS[config])
-    base = dict(FP32_CONFIG if dtype == torch.float32 else PREFILL_CONFIGS[DEFAULT_ORDER[0]])
+    # the four tile keys of the default; the optional keys stay off unless the dict sets them
+    base = {k: v for k, v in (FP32_CONFIG if dtype == torch.float32 else PREFILL_CONFIGS[DEFAULT_ORDER[0]]).items()
+            if k not in OPTIONAL_KEYS}
     unknown = set(config) - set(base) - set(OPTIONAL_KEYS)
     if unknown:
         raise ValueError(f"unknown prefill config keys {sorted(unknown)}; allowed: {sorted({*base, *OPTIONAL_KEYS})}")
@@ -449,9 +456,12 @@ def tma_ok(cfg: dict, k: torch.Tensor, v: torch.Tensor) -> bool:
     head strides must be (a single, broadcast head's stride is never used); the last dimension is
     contiguous; a tile side is at most 256 elements. The MLA prefill's k (a concatenation) and v (a split
     view of the up-projection: 256-byte offset, 512-byte head stride in bf16) qualify; a value width of
-    20 bf16 per row does not (40-byte stride). False means the pointer path (same results)."""
+    20 bf16 per row does not (40-byte stride); nor does a GPU without TMA (compute capability < 9.0). False
+    means the pointer path (same results)."""
     d1, d2 = split_width(k.shape[-1])
     if max(cfg["BLOCK_N"], d1, d2, triton.next_power_of_2(v.shape[-1])) > 256:
+        return False
+    if k.is_cuda and not _has_tma(k.device.index if k.device.index is not None else torch.cuda.current_device()):
         return False
     for t in (k, v):
         e = t.element_size()
@@ -459,6 +469,12 @@ def tma_ok(cfg: dict, k: torch.Tensor, v: torch.Tensor) -> bool:
                 or (t.shape[1] > 1 and (t.stride(1) * e) % 16)):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    """CUDA device ``device_index`` has the Tensor Memory Accelerator (compute capability >= 9.0, Hopper)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

@@ -86,3 +86,24 @@ def test_version_module_entry_and_subcommand_errors():
                        text=True, timeout=120)
     assert r.returncode == 2 and "longflash serve: error: unrecognized arguments: --bogus-flag" in r.stderr, r.stderr
     assert "usage: longflash serve" in r.stderr
+
+
+def test_default_model_on_the_cpu_runs_one_thread_and_main_restores_the_count(monkeypatch):
+    """The README's main job (embedded model, CPU, no OMP_NUM_THREADS) runs one intra-op thread; a user's
+    OMP_NUM_THREADS or --model keeps PyTorch's count; main() puts the caller's count back afterwards."""
+    import torch
+    from longflash.entrypoints import cli
+    before = torch.get_num_threads()
+    seen = []
+    monkeypatch.setattr(cli, "cmd_generate", lambda args: seen.append(torch.get_num_threads()) or 0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        assert cli.main(["generate", "--prompt", "x", "--device", "cpu"]) == 0
+        assert cli.main(["generate", "--prompt", "x", "--device", "cpu", "--model", "/some/dir"]) == 0
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert cli.main(["generate", "--prompt", "x", "--device", "cpu"]) == 0
+        assert seen == [1, 2, 2]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -16,6 +16,22 @@ def _setup_logging() -> None:
                         datefmt="%H:%M:%S", stream=sys.stderr)
 
 
+def _cpu_threads_for_default_model(args: argparse.Namespace) -> None:
+    """On the CPU with the embedded default model (no ``--model``) and no ``OMP_NUM_THREADS`` set: one
+    intra-op thread. The tiny model gains nothing from more, and on a busy 2-core machine PyTorch's thread
+    pool contending with other processes made the README's main job 26-65x slower (session 25: 64 tokens in
+    30 s against 1.2 s with one thread). A user's ``OMP_NUM_THREADS`` or ``--model`` keeps PyTorch's choice."""
+    import os
+    import torch
+    if os.environ.get("OMP_NUM_THREADS") or getattr(args, "model", None) or getattr(args, "model_tag", None):
+        return
+    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and torch.get_num_threads() > 1:
+        torch.set_num_threads(1)
+        logging.getLogger("longflash").info("CPU: 1 intra-op thread for the tiny default model "
+                                            "(set OMP_NUM_THREADS to choose another count)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from longflash.engine.llm_engine import LLMEngine
     from longflash.sampling_params import SamplingParams, default_max_tokens
@@ -120,11 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # what parse_args does, but with the prog and usage of the subcommand that was given
         _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    import torch
+    threads = torch.get_num_threads()
     try:
+        _cpu_threads_for_default_model(args)
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)  # main() called in-process (tests) leaves the caller's thread count
 
 
 if __name__ == "__main__":

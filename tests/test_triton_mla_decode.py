@@ -193,6 +193,25 @@ def test_case_check_bounds():
     assert _case_problems(dict(ok, rel=5e-3, ref_rel=1e-3), fp32=False)
 
 
+def test_configs_and_split_counts_are_checked_by_name():
+    """A tile config with an unknown key (a typo), a tile side that is not a power of two >= 16, a bad warp or
+    stage count, or a split count < 1 is refused with the key's name (before, a typo was ignored and BLOCK_N 48
+    failed inside Triton); the narrow default model rows take the 128-row tile, fp32 queries the 32-row one."""
+    from longflash.attention import triton_mla_decode as tk
+    q = torch.zeros(1, 4, 80, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 80, dtype=torch.bfloat16)
+    for bad, msg in (({"BLOCKN": 64}, "unknown MLA decode config keys"), ({"BLOCK_N": 48}, "BLOCK_N"),
+                     ({"BLOCK_M": 8}, "BLOCK_M"), ({"num_warps": 3}, "num_warps"), ({"num_stages": 0}, "num_stages")):
+        with pytest.raises(ValueError, match=msg):
+            tk.resolve_config(q, cache, 64, 1, bad)
+    assert tk.resolve_config(q, cache, 64, 1)[0]["BLOCK_N"] == 128
+    assert tk.resolve_config(q.float(), cache.float(), 64, 1)[0]["BLOCK_N"] == 32
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    for S in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="num_splits"):
+            tk.mla_decode_attention(q, cache, bt, [0, 1], [5], 0.1, 64, num_splits=S)
+
+
 def test_interpreter_equals_reference(interp_results):
     cases = {k: v for k, v in interp_results.items() if isinstance(v, dict)}
     assert len(cases) == 28, sorted(cases)

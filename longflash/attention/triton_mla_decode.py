@@ -48,6 +48,9 @@ from longflash.ops.triton_math import dot_acc
 LOG2E = 1.4426950408889634
 MIN_SPLIT_ROWS = 64
 NARROW_WIDTH = 128  # cache rows of at most this many elements take the long narrow tiles (default_config)
+# the keys a tile config may set (default_config documents them)
+CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "V_RELOAD", "TRANS", "F16", "PREFETCH",
+                         "CVT_SMEM", "maxnreg", "occupancy", "GLUON"})
 MAX_SPLITS = 256
 # Rates of the split-count model (choose_num_splits): H200 copy bandwidth, and a bf16 tensor-core rate
 # this kernel may reach (about half the measured GEMM rate).
@@ -359,23 +362,47 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     for that shape (``TRITON_FP8_CONFIG`` at <= 16 rows) takes the Gluon default's place, with the
     caller's other keys applied on top. fp32 queries over an fp8 cache always take the 16-row bf16 tile
     (see the note in :func:`mla_decode_attention`).
-    Raises ValueError for a Gluon tile the kernel does not support (BLOCK_N not 32/64, num_stages < 2,
-    num_warps not 4 or 8 (8 only with BLOCK_N 64), BLOCK_M not 16)."""
+    Raises ValueError for keys outside ``CONFIG_KEYS``, BLOCK_M / BLOCK_N that are not powers of two >= 16,
+    num_warps not a power of two in 1..16, num_stages not an int >= 1, and a Gluon tile the kernel does not
+    support (BLOCK_N not 32/64, num_stages < 2, num_warps not 4 or 8 (8 only with BLOCK_N 64), BLOCK_M not
+    16), each naming the key. A Gluon tile of 8 warps without ``maxnreg`` gets occupancy 1 unless ``config``
+    sets it."""
     fp8 = kv_cache.dtype == FP8_DTYPE
     H = q.shape[1]
     rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
-    base = default_config(rows, torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype, q.shape[-1])
+    # fp32 queries keep the 576-wide tiles' rules at every width: the narrow 128-row tile with fp32 dots needs
+    # 255 registers and spills 648 bytes over an fp8 cache (sm_90 compile; fresh-user review, session 25)
+    base = default_config(rows, torch.bfloat16 if q.dtype == torch.float32 else kv_cache.dtype,
+                          576 if q.dtype == torch.float32 else q.shape[-1])
     user = dict(config or {})
+    unknown = set(user) - CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"unknown MLA decode config keys {sorted(unknown)}; allowed: {sorted(CONFIG_KEYS)}")
     cfg = dict(base, **user)
     use_gluon = bool(cfg.get("GLUON", False)) and gluon_eligible(q, kv_cache, kv_lora_rank, max_query_len * H)
     if not use_gluon and base.get("GLUON", False):
         cfg = dict(TRITON_FP8_CONFIG, **{k: v for k, v in user.items() if k != "GLUON"})
+    for key in ("BLOCK_M", "BLOCK_N"):
+        b = cfg[key]
+        if not isinstance(b, int) or isinstance(b, bool) or b < 16 or b & (b - 1):
+            raise ValueError(f"MLA decode config: {key} must be a power of two >= 16, got {b!r}")
+    if cfg["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(cfg["num_warps"], bool):
+        raise ValueError(f"MLA decode config: num_warps must be a power of two in 1..16, got {cfg['num_warps']!r}")
+    if not isinstance(cfg["num_stages"], int) or isinstance(cfg["num_stages"], bool) or cfg["num_stages"] < 1:
+        raise ValueError(f"MLA decode config: num_stages must be an int >= 1, got {cfg['num_stages']!r}")
     if not use_gluon:
         cfg["GLUON"] = False
-    elif cfg["BLOCK_N"] not in (32, 64) or cfg["num_stages"] < 2 or cfg["BLOCK_M"] != 16 or \
-            cfg["num_warps"] not in (4, 8) or (cfg["num_warps"] == 8 and cfg["BLOCK_N"] != 64):
-        raise ValueError(f"the Gluon fp8 decode tile needs BLOCK_M 16, BLOCK_N 32 or 64, num_stages >= 2 and "
-                         f"num_warps 4 (or 8 with BLOCK_N 64), got {cfg}")
+        return cfg, use_gluon
+    bad = [msg for ok, msg in ((cfg["BLOCK_M"] == 16, f"BLOCK_M must be 16 (got {cfg['BLOCK_M']})"),
+                               (cfg["BLOCK_N"] in (32, 64), f"BLOCK_N must be 32 or 64 (got {cfg['BLOCK_N']})"),
+                               (cfg["num_stages"] >= 2, f"num_stages must be >= 2 (got {cfg['num_stages']})"),
+                               (cfg["num_warps"] in (4, 8), f"num_warps must be 4 or 8 (got {cfg['num_warps']})"),
+                               (cfg["num_warps"] != 8 or cfg["BLOCK_N"] == 64, "num_warps 8 needs BLOCK_N 64"))
+           if not ok]
+    if bad:
+        raise ValueError("the Gluon fp8 decode tile: " + "; ".join(bad))
+    if cfg["num_warps"] == 8 and not cfg.get("maxnreg") and "occupancy" not in user:
+        cfg["occupancy"] = 1  # 168 registers x 256 threads: one program per SM (sm_90 compile report)
     return cfg, use_gluon
 
 
@@ -549,9 +576,11 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         query that sees no row, e.g. seq_len 0).
     Raises:
         ValueError on inconsistent shapes, dtypes or lengths; a request longer than its block table
-        (checked when the lengths are lists). The wrapper never syncs with the device when the
+        (checked when the lengths are lists); a ``config`` :func:`resolve_config` refuses; ``num_splits`` < 1. The wrapper never syncs with the device when the
         lengths are tensors and ``k_scale`` is a Python number (CUDA-graph capture).
     """
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
+        raise ValueError(f"num_splits must be None (chosen by the split model) or an int >= 1, got {num_splits!r}")
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(f"q must be [T, H, W] and kv_cache [num_blocks, block_size, W], got {tuple(q.shape)} "
                          f"and {tuple(kv_cache.shape)}")
@@ -608,7 +637,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     kvl = _as_int32(seq_lens, q.device)
     bt = block_table if block_table.dtype == torch.int32 and block_table.stride(-1) == 1 else \
         block_table.to(torch.int32).contiguous()
-    # NOTE: fp32 queries over an fp8 cache take the 16-row bf16 tile (M16 N64, 2 stages) whatever the
+    # NOTE: fp32 queries over an fp8 cache take the 16-row bf16 tile (M16 N32, 3 stages) whatever the
     # row count: the fp8 tiles with fp32 dots need more shared memory than an SM has (H200, 16 query
     # rows: 245,760 > 232,448 bytes; found by benchmarks/multi_gpu.py's fp32 DeepSeek-V3 run), and on
     # the H200 the GPU test passed at 16 rows with this tile but failed at 64 and 128 rows with the

@@ -398,6 +398,9 @@ def test_default_config_fits_shared_memory(monkeypatch):
     assert tp.smem_bytes(tp.PREFILL_CONFIGS["m128_n128_w8_s2"], 192, 128) == 212992
     assert tp.default_config(torch.bfloat16, 192, 128) == tp.PREFILL_CONFIGS["m128_n64_w8_s3_tma"]
     assert tp.default_config(torch.bfloat16, 256, 256) == tp.PREFILL_CONFIGS["m128_n64_w8_s2"]
+    # a partial dict fills its tile keys from the default at its widths (not the D 192 tile: 262 KB at D 256)
+    assert tp.resolve_config(torch.bfloat16, {"num_warps": 8}, 256, 256) == tp.PREFILL_CONFIGS["m128_n64_w8_s2"]
+    assert "TMA" not in tp.resolve_config(torch.bfloat16, {"BLOCK_N": 32})
     assert tp.default_config(torch.float32, 192, 128) == tp.FP32_CONFIG
     # widths no tile fits go to the PyTorch form (dispatch_attention_with_lse); every current model's fit
     assert tp.fits(192, 128) and tp.fits(48, 32) and tp.fits(256, 256) and not tp.fits(576, 512)

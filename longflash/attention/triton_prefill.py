@@ -403,7 +403,8 @@ def default_config(dtype: torch.dtype, d: int = 192, dv: int = 128) -> dict:
 
 def fits(d: int, dv: int) -> bool:
     """Whether some 16-bit tile of ``DEFAULT_ORDER`` fits ``SMEM_BUDGET`` at widths ``d`` / ``dv`` (D 192 /
-    Dv 128: the 128 x 128 tile, 208 KB; D 576 / Dv 512 would need 352 KB even at the smallest tile)."""
+    Dv 128: the first, 128 x 64 with 3 stages, 172 KB; D 576 / Dv 512 would need 352 KB even at the smallest
+    tile)."""
     return any(smem_bytes(PREFILL_CONFIGS[name], d, dv) <= SMEM_BUDGET for name in DEFAULT_ORDER)
 
 
@@ -423,9 +424,8 @@ def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int 
         if config not in PREFILL_CONFIGS:
             raise ValueError(f"unknown prefill config {config!r}; known: {sorted(PREFILL_CONFIGS)}")
         return dict(PREFILL_CONFIGS[config])
-    # the four tile keys of the default; the optional keys stay off unless the dict sets them
-    base = {k: v for k, v in (FP32_CONFIG if dtype == torch.float32 else PREFILL_CONFIGS[DEFAULT_ORDER[0]]).items()
-            if k not in OPTIONAL_KEYS}
+    # the four tile keys of the default at these widths; the optional keys stay off unless the dict sets them
+    base = {k: v for k, v in default_config(dtype, d, dv).items() if k not in OPTIONAL_KEYS}
     unknown = set(config) - set(base) - set(OPTIONAL_KEYS)
     if unknown:
         raise ValueError(f"unknown prefill config keys {sorted(unknown)}; allowed: {sorted({*base, *OPTIONAL_KEYS})}")

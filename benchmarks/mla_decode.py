@@ -37,11 +37,13 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="directory for mla_decode.json / .md")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through TRITON_INTERPRET=1")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-lora-rank", type=int, default=512, help="value width (512: DeepSeek/Kimi; 64: the default model)")
-    ap.add_argument("--rope", type=int, default=64, help="rope width of a cache row (64; 16: the default model)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--heads", type=int, default=16, help="query heads (GPU; --smoke uses 2)")
+    ap.add_argument("--kv-lora-rank", type=int, default=512, help="value width (512: DeepSeek/Kimi; 64: the default model; --smoke uses 64)")
+    ap.add_argument("--rope", type=int, default=64, help="rope width of a cache row (64; 16: the default model; --smoke uses 16)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64],
+                    help="batch sizes of the main table (GPU; --smoke uses 1 2)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072],
+                    help="context lengths of the main table (GPU; --smoke uses 40 100)")
     ap.add_argument("--budget-s", type=float, default=125.0, help="stop adding rows after this many seconds")
     ap.add_argument("--short-splits-only", action="store_true",
                     help="only the batch-1 short-context split-count sweep (and the checks)")

@@ -29,7 +29,7 @@ import provenance  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny config on the CPU (the default without a GPU)")
     ap.add_argument("--input-len", type=int, default=16384)
@@ -113,7 +113,9 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     with open(os.path.join(args.out, "profile_prefill.json"), "w") as f:
         json.dump(res, f, indent=1)
-    lines = [f"# One {args.input_len}-token prefill, DeepSeek-V3 shape (random weights, {res['device']})", "",
+    what = (f"One {args.input_len}-token prefill" if args.requests == 1 else
+            f"{args.requests} prompts of {args.input_len} tokens submitted together")
+    lines = [f"# {what}, DeepSeek-V3 shape (random weights, {res['device']})", "",
              f"commit {res['commit'][:12]}; chunks of {args.max_num_batched_tokens} tokens; {args.kv_cache_dtype} cache",
              "", f"`{res['command']}`", "",
              f"{args.requests} prompt(s): {res['prefill_s']:.3f} s ({res['tok_s']:.0f} prompt tok/s); kernel time "

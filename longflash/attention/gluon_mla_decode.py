@@ -26,13 +26,17 @@ bandwidth while the bf16 one reaches 0.94). Here the layouts are explicit (4 war
   dim ``σ(n)`` (:func:`latent_dim_of_column`), chosen so that the MMA operand layout holds exactly those
   blocks. Four ``prmt`` + eight ``cvt.rn.f16x2.e4m3x2`` per block transpose and convert inside the
   thread (:func:`_e4m3_block_to_f16_pairs`), P comes through a conflict-free buffer, the 4 warps split
-  the 512 output columns, and the output is written back through σ.
+  the 512 output columns, and the output leaves through one shared-memory exchange into latent-dim order
+  (:func:`_columns_to_latent_dims`) with 16-byte coalesced stores.
+``WARPS`` = 8 splits each program's score and value columns over 8 warps instead (σ then over column bits
+6-7); correct, but slower on the H200 (NOTES "Session 25"), so the default stays 4.
 
-Measured on an H200 (``benchmarks/results/mla_decode_gluon.h200.md``, NOTES "Session 23"): 0.60-0.79 of the
-copy bandwidth at batch 16-64 × 32K-128K (the Triton fp8 tile: 0.34-0.37; the bf16 kernel: 0.83-0.95
-of copy for twice the bytes, so fp8 decode is now 1.4-1.7x faster than bf16). The remaining limit is
-latency (about 1.6 instructions issued per cycle per SM at 8 resident warps, ``wait``/``short_sb``
-stalls around the per-byte fp8 -> fp16 conversions, 26 % of the instructions).
+Measured on an H200 (``benchmarks/results/mla_decode_s25.h200.md``, NOTES "Session 25"): 0.67-0.85 of the
+copy bandwidth at batch 16-64 × 32K-128K (the Triton fp8 tile: 0.34-0.37; the bf16 kernel: 0.85-0.99 of
+copy for twice the bytes, so fp8 decode is 1.6-1.7x faster than bf16). Its copies alone reach 0.95-0.99
+(``benchmarks/mla_decode_copy_ceiling.py``): the remaining limit is the arithmetic, about 1.8 instructions
+issued per cycle per SM whether 8 or 16 warps are resident, a quarter of them the per-byte fp8 -> fp16
+conversions (each byte converted once per product).
 
 Numerics are those of the Triton kernel's fp16 path (``F16``): q rows scaled by a power of two into
 fp16 range, fp8 values exact in fp16, fp32 accumulation, online softmax in base 2, P rounded to fp16.

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from longflash.attention.ops import DECODE_PIECE_ROWS, FP8_DTYPE
 from longflash.attention.triton_ops import _from_e4m3_bits
+from longflash.ops.tile_config import check_tile_shape
 from longflash.ops.triton_env import interpreting, sm_count
 from longflash.ops.triton_math import dot_acc
 
@@ -382,14 +383,7 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     use_gluon = bool(cfg.get("GLUON", False)) and gluon_eligible(q, kv_cache, kv_lora_rank, max_query_len * H)
     if not use_gluon and base.get("GLUON", False):
         cfg = dict(TRITON_FP8_CONFIG, **{k: v for k, v in user.items() if k != "GLUON"})
-    for key in ("BLOCK_M", "BLOCK_N"):
-        b = cfg[key]
-        if not isinstance(b, int) or isinstance(b, bool) or b < 16 or b & (b - 1):
-            raise ValueError(f"MLA decode config: {key} must be a power of two >= 16, got {b!r}")
-    if cfg["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(cfg["num_warps"], bool):
-        raise ValueError(f"MLA decode config: num_warps must be a power of two in 1..16, got {cfg['num_warps']!r}")
-    if not isinstance(cfg["num_stages"], int) or isinstance(cfg["num_stages"], bool) or cfg["num_stages"] < 1:
-        raise ValueError(f"MLA decode config: num_stages must be an int >= 1, got {cfg['num_stages']!r}")
+    check_tile_shape(cfg, "MLA decode config")
     if not use_gluon:
         cfg["GLUON"] = False
         return cfg, use_gluon
@@ -576,8 +570,9 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         query that sees no row, e.g. seq_len 0).
     Raises:
         ValueError on inconsistent shapes, dtypes or lengths; a request longer than its block table
-        (checked when the lengths are lists); a ``config`` :func:`resolve_config` refuses; ``num_splits`` < 1. The wrapper never syncs with the device when the
-        lengths are tensors and ``k_scale`` is a Python number (CUDA-graph capture).
+        (checked when the lengths are lists); a ``config`` :func:`resolve_config` refuses; ``num_splits`` < 1.
+        The wrapper never syncs with the device when the lengths are tensors and ``k_scale`` is a Python
+        number (CUDA-graph capture).
     """
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits must be None (chosen by the split model) or an int >= 1, got {num_splits!r}")

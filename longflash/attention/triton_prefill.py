@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longflash.ops.tile_config import check_tile_shape
 from longflash.ops.triton_env import interpreting
 from longflash.ops.triton_math import dot_acc
 
@@ -74,9 +75,9 @@ LOG2E = 1.4426950408889634
 # registers instead of 255) instead of cp.async; same smem plus the barriers. H200
 # (benchmarks/results/prefill_attention_tma.h200.md): 128x64 s3 TMA, the best, causal 16K 2.59 ms (0.66
 # of the GEMM rate) against 3.19 for the best cp.async tile, causal 4K 0.190 vs 0.219, the 4K x 32K chunk
-# 2.46 vs 3.18; the "_ms1" and "_ov" entries below are not yet timed. NOTE: with cp.async ptxas serializes every wgmma of the kernel (its warning C7515, "non
-# wgmma instructions defining accumulator registers"; only with both key loops in the kernel, not with
-# either alone): the SASS waits after each HGMMA, 32 waits for 32 HGMMAs at 128x64 s3, where the TMA
+# 2.46 vs 3.18; the "_ms1" and "_ov" entries below are not yet timed. NOTE: with cp.async ptxas
+# serializes every wgmma of the kernel (its warning C7515, "non wgmma instructions defining accumulator
+# registers"; only with both key loops in the kernel, not with either alone): the SASS waits after each HGMMA, 32 waits for 32 HGMMAs at 128x64 s3, where the TMA
 # kernel keeps one wait per dot (6 for 32). The "_ms1" entries are the cp.async kernels with the masked
 # key loop not pipelined (MASKED_STAGES=1: its 1-3 tiles per program load without prefetch), which
 # ptxas does not serialize either: they tell the TMA copies' gain from the de-serialization's.
@@ -430,15 +431,7 @@ def resolve_config(dtype: torch.dtype, config: dict | str | None = None, d: int 
     if unknown:
         raise ValueError(f"unknown prefill config keys {sorted(unknown)}; allowed: {sorted({*base, *OPTIONAL_KEYS})}")
     cfg = {**base, **config}
-    for key in ("BLOCK_M", "BLOCK_N"):
-        b = cfg[key]
-        if not isinstance(b, int) or b < 16 or b & (b - 1):
-            raise ValueError(f"{key} must be a power of two >= 16, got {b!r}")
-    w, st = cfg["num_warps"], cfg["num_stages"]
-    if not isinstance(w, int) or isinstance(w, bool) or w not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps must be a power of two in 1..16, got {w!r}")
-    if not isinstance(st, int) or isinstance(st, bool) or st < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {st!r}")
+    check_tile_shape(cfg, "prefill config")
     for key in ("TMA", "OVERLAP"):
         if not isinstance(cfg.get(key, False), bool):
             raise ValueError(f"{key} must be a bool, got {cfg[key]!r}")

@@ -51,6 +51,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+@gluon.constexpr_function
 def _first_register_bit(warps):
     """B: the lowest value-column bit held in registers by the value MMA's B operand (3 lane bits, then
     log2(warps) warp bits): 5 for 4 warps, 6 for 8."""
@@ -103,7 +104,7 @@ def _value_load_layout(rows, warps):
     """Register layout of a ``[rows, 512]`` value tile in the relabelled (logical column) view: the MMA's
     B-operand layout (m16n8k16, ``warps`` warps along N, k_width 4) with its registers reordered so that
     each thread's first four registers are four consecutive latent dims of one cache row (one 4-byte load)."""
-    b = 3 + (warps.bit_length() - 1)  # the lowest value-column bit held in registers
+    b = _first_register_bit(warps)
     reg = [[0, 1 << b], [0, 2 << b], [1, 0], [2, 0]]
     k = 16
     while k < rows:
@@ -121,13 +122,13 @@ def _value_load_layout(rows, warps):
 @gluon.constexpr_function
 def _col_lo(warps):
     """2^B (:func:`_first_register_bit`): the value columns below the register bits."""
-    return 1 << (3 + (warps.bit_length() - 1))
+    return 1 << _first_register_bit(warps)
 
 
 @gluon.constexpr_function
 def _col_hi(warps):
     """512 >> (B + 2): the value-column chunks above the two register bits that hold consecutive dims."""
-    return 512 >> (5 + (warps.bit_length() - 1))
+    return 512 >> (_first_register_bit(warps) + 2)
 
 
 @gluon.constexpr_function
@@ -185,7 +186,7 @@ def _e4m3_block_to_f16_pairs(v):
 @gluon.jit
 def _swap_block_coords(x, BLOCK_N: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
     """[BLOCK_N, 512] -> same shape with row bits 0-1 and column bits B..B+1 exchanged (a relabelling;
-    LO = 2^B, HI = 512 >> (B + 2), :func:`_reg_bits`)."""
+    LO = 2^B, HI = 512 >> (B + 2), :func:`_col_lo`, :func:`_col_hi`)."""
     x = gl.reshape(x, [BLOCK_N // 4, 4, HI, 4, LO])
     x = gl.permute(x, (0, 3, 2, 1, 4))
     return gl.reshape(x, [BLOCK_N, 512])

@@ -59,8 +59,7 @@ TINY = dict(FULL, vocab_size=256, hidden_size=64, intermediate_size=128, moe_int
 T0 = time.perf_counter()
 # --baselines: name -> (module, switch) set to False for that run (issue 10's "report ratios against a
 # baseline measured in the same run")
-BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL"),
-             "wide-gemv": ("longflash.layers.gemv_triton", "SINGLE_WAVE")}
+BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL")}
 
 
 def model_config(dev: torch.device, max_len: int) -> tuple[dict, torch.dtype]:
@@ -483,9 +482,7 @@ def main() -> int:
                     help="after the default run, run longflash (CUDA graphs) with these switched off, each a row "
                          "of its own: "
                          "'cublas' = every few-row GEMM on cuBLAS (longflash.layers.gemv.enabled = False), "
-                         "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False), "
-                         "'wide-gemv' = the GEMV's wide tile instead of one program per SM "
-                         "(longflash.layers.gemv_triton.SINGLE_WAVE = False)")
+                         "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False)")
     ap.add_argument("--repeat-default", action="store_true",
                     help="after the baselines, run the default configuration once more (longflash_again): "
                          "the drift between runs in one process")

@@ -4,9 +4,7 @@ batch-1 decode step could gain).
 A chain of ``--phases`` one-token GEMVs ``y[i + 1] = W_i · y[i]`` (W_i [d, d] bf16, fp32 accumulation,
 y rounded to bf16 per step: the shape of a decode step's dense projections) is run three ways, each timed
 as CUDA-graph replays (``gpu_timing.graph_seconds``):
-- ``launches``: one launch of the engine's GEMV (``layers/gemv_triton.py``, PDL on sm_90+) per phase, with
-  its default tile (one program per SM at these sizes) and with the wide tile (``SINGLE_WAVE`` off: ~1,000
-  programs of 2 warps);
+- ``launches``: one launch of the engine's GEMV (``layers/gemv_triton.py``, PDL on sm_90+) per phase;
 - ``persistent``: one launch, one program per ``block_n`` output rows (≤ the SM count), the phases
   separated by a grid barrier (``longflash/ops/grid_sync.py``); each program loads its rows of W_i
   *before* waiting for phase i - 1 (weights do not depend on the previous phase);
@@ -38,7 +36,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_timing import copy_gbps, graph_seconds  # noqa: E402
 import provenance  # noqa: E402
 
-from longflash.layers import gemv_triton as gemv_triton_mod  # noqa: E402
 from longflash.layers.gemv_triton import gemv_triton  # noqa: E402
 from longflash.ops.grid_sync import grid_arrive, grid_reset_if_last, grid_wait  # noqa: E402
 from longflash.ops.triton_env import interpreting, sm_count  # noqa: E402
@@ -127,16 +124,8 @@ def main() -> int:
         w = (torch.randn(L, d, d, device=dev, generator=g) / d ** 0.5).to(torch.bfloat16)
         x0 = torch.randn(d, device=dev, generator=g).to(torch.bfloat16)
         mb = d * d * 2 / 1e6
-        def launches(ys, single_wave=True):
-            gemv_triton_mod.SINGLE_WAVE = single_wave
-            try:
-                for i in range(L):
-                    gemv_triton(ys[i:i + 1], w[i], out=ys[i + 1:i + 2])
-            finally:
-                gemv_triton_mod.SINGLE_WAVE = True
         variants = {
-            "launches": launches,
-            "launches, wide tile": lambda ys: launches(ys, single_wave=False),
+            "launches": lambda ys: [gemv_triton(ys[i:i + 1], w[i], out=ys[i + 1:i + 2]) for i in range(L)],
             "persistent": lambda ys: persistent_chain(w, ys, bar, block_n),
             "persistent, no prefetch": lambda ys: persistent_chain(w, ys, bar, block_n, prefetch=False),
             "barrier only": lambda ys: persistent_chain(w, ys, bar, block_n, work=False),

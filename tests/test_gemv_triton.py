@@ -307,29 +307,3 @@ if __name__ == "__main__":
         print(json.dumps(_compile_sm90()))
     else:
         print(json.dumps(_interpreter_check()))
-
-
-def test_default_config_single_wave():
-    """With the SM count given, one- and two-row products of at most SINGLE_WAVE_MAX_ELEMS weights take one
-    program per SM (8 warps, 64 fp32 partials per thread per step); more rows, the LM head, or the switch
-    off keep the wide sweep tile (thousands of programs)."""
-    import triton
-    from longflash.layers import gemv_triton as gt
-    sms = 132
-    shapes = [(1, 2112, 2048, 1), (1, 3072, 1536, 1), (1, 1024, 2048, 1), (1, 2048, 512, 1), (1, 512, 128, 16),
-              (1, 128, 512, 16), (2, 2112, 2048, 1), (1, 7, 300, 1), (1, 2048, 8192, 1)]
-    for m, n, k, b in shapes:
-        c = gt.default_config(m, n, k, b, sms)
-        assert c.num_warps == 8 and b * triton.cdiv(n, c.block_n) <= sms, (m, n, k, b, c)
-        assert gt.block_m_of(m) * c.block_n * c.block_k <= 64 * 32 * c.num_warps, (m, n, k, b, c)
-        # the fewest features per program that fit: half as many would need more programs than SMs
-        assert c.block_n == 1 or b * triton.cdiv(n, c.block_n // 2) > sms, (m, n, k, b, c)
-    wide = gt.default_config(1, 2112, 2048)
-    assert wide.num_warps == 2 and triton.cdiv(2112, wide.block_n) > sms
-    assert gt.default_config(1, 129280, 2048, 1, sms) == gt.default_config(1, 129280, 2048)  # the LM head
-    assert gt.default_config(4, 2112, 2048, 1, sms) == gt.default_config(4, 2112, 2048)
-    gt.SINGLE_WAVE = False
-    try:
-        assert gt.default_config(1, 2112, 2048, 1, sms) == wide
-    finally:
-        gt.SINGLE_WAVE = True

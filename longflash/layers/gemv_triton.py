@@ -24,14 +24,10 @@ import triton
 import triton.language as tl
 
 from longflash.layers.gemv import DTYPES
-from longflash.ops.triton_env import interpreting, sm_count
+from longflash.ops.triton_env import interpreting
 from longflash.ops.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_for
 
 MAX_ROWS = 8  # rows of x this kernel takes; more go to cuBLAS
-# One program per SM for the small one-token products (default_config); module switch for the A/B of
-# benchmarks/e2e_decode.py --baselines wide-gemv
-SINGLE_WAVE = True
-SINGLE_WAVE_MAX_ELEMS = 1 << 24  # weights above 32 MB (bf16: the LM head) keep the wide tile
 
 
 @dataclass(frozen=True)
@@ -97,44 +93,21 @@ def block_m_of(m: int) -> int:
     return triton.next_power_of_2(max(m, 1))
 
 
-def _block_k_dividing(k: int, limit: int) -> int:
-    """The largest power of two <= ``limit`` (and >= 64) dividing k, else ``limit`` (a masked last step);
-    at most next_pow2(k)."""
-    bk = limit
+def default_config(m: int, n: int, k: int) -> GemvConfig:
+    """The tile used when none is given, from the H200 sweep of ``benchmarks/gemv.py``
+    (``results/gemv.h200.md``): 2 warps, 2048 weight elements per program step at one or two rows
+    (2 × 1024 at K = 2048: the fastest tile at every K-contiguous shape of the benchmark model) and
+    fewer with more rows (fp32 partials of at most 64 registers per thread); ``block_k`` divides K
+    when a power of two ≥ 64 does (K = 1536: 512), so no step is mostly masked. Made for weights
+    contiguous along K; a [K, N]-stored weight runs correctly but slowly (programs = N / block_n)."""
+    bm = block_m_of(m)
+    elems = 2048 if bm <= 2 else 4096 // bm
+    bk = 1024
     while bk > 64 and k % bk:
         bk //= 2
     if k % bk:
-        bk = limit
-    return min(bk, triton.next_power_of_2(k))
-
-
-def default_config(m: int, n: int, k: int, batch: int = 1, programs: int | None = None) -> GemvConfig:
-    """The tile used when none is given.
-
-    Single wave (``SINGLE_WAVE``, ``programs`` given = the SM count, one or two rows, at most
-    ``SINGLE_WAVE_MAX_ELEMS`` weight elements): the fewest output features per program such that
-    ``batch · ceil(n / block_n)`` programs fit in one program per SM, 8 warps, ``block_k`` such that a
-    step's fp32 partials are 64 registers per thread. Why: a chain of dependent launches costs ~1.5 µs per
-    launch at ~1,000 programs but 0.71 µs at 132 under programmatic dependent launch
-    (``results/launch_floor_s26.h200.md``): every program of a launch must be dispatched before the next
-    launch may start, and the next one's programs fit beside a one-program-per-SM grid while it drains.
-
-    Otherwise (more rows, larger weights such as the LM head, or ``SINGLE_WAVE`` off), the H200 sweep's
-    tile (``benchmarks/gemv.py``, ``results/gemv.h200.md``): 2 warps, 2048 weight elements per program
-    step at one or two rows (2 × 1024 at K = 2048) and fewer with more rows (fp32 partials of at most 64
-    registers per thread); ``block_k`` divides K when a power of two ≥ 64 does (K = 1536: 512), so no step
-    is mostly masked. Made for weights contiguous along K; a [K, N]-stored weight runs correctly but
-    slowly (programs = N / block_n)."""
-    bm = block_m_of(m)
-    if SINGLE_WAVE and programs and bm <= 2 and batch * n * k <= SINGLE_WAVE_MAX_ELEMS:
-        bn = 1
-        while batch * triton.cdiv(n, bn) > programs:
-            bn *= 2
-        elems = 16384 // bm  # per program step: 64 fp32 partials per thread at 8 warps
-        if bn <= elems // 64:
-            return GemvConfig(bn, _block_k_dividing(k, elems // bn), 8)
-    elems = 2048 if bm <= 2 else 4096 // bm
-    bk = min(_block_k_dividing(k, 1024), elems // 2)
+        bk = 1024
+    bk = min(bk, triton.next_power_of_2(k), elems // 2)
     return GemvConfig(elems // bk, bk, 2)
 
 
@@ -178,7 +151,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     if K == 0:
         return out.zero_()
     y3 = _as3(out)
-    cfg = config or default_config(M, N, K, B, sm_count(x.device) if x.is_cuda else None)
+    cfg = config or default_config(M, N, K)
     grid = (triton.cdiv(N, cfg.block_n), B)
     pdl = pdl_for(x.device)
     _gemv_kernel[grid](x3, w3, y3, M, N, K, *x3.stride(), *w3.stride(), *y3.stride(),

@@ -291,7 +291,7 @@ def finish_check(c: dict) -> dict:
 
 def fmt_row(r: dict) -> str:
     c = r["config"]
-    cfg = (f"{'gluon ' if c.get('GLUON') else ''}"
+    cfg = (f"{'gluon ' if c.get('GLUON') else ''}{'wgmma ' if c.get('WGMMA') else ''}"
            f"M{c['BLOCK_M']} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}{' vr' if c.get('V_RELOAD') else ''}"
            f"{' T' if c.get('TRANS') else ''}{' f16' if c.get('F16') else ''}{' pre' if c.get('PREFETCH') else ''}"
            f"{' cvt' if c.get('CVT_SMEM') else ''}{' r' + str(c['maxnreg']) if c.get('maxnreg') else ''}")

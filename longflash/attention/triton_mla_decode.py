@@ -51,7 +51,7 @@ MIN_SPLIT_ROWS = 64
 NARROW_WIDTH = 128  # cache rows of at most this many elements take the long narrow tiles (default_config)
 # the keys a tile config may set (default_config documents them)
 CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "V_RELOAD", "TRANS", "F16", "PREFETCH",
-                         "CVT_SMEM", "maxnreg", "occupancy", "GLUON"})
+                         "CVT_SMEM", "maxnreg", "occupancy", "GLUON", "WGMMA"})
 MAX_SPLITS = 256
 # Rates of the split-count model (choose_num_splits): H200 copy bandwidth, and a bf16 tensor-core rate
 # this kernel may reach (about half the measured GEMM rate).
@@ -343,6 +343,12 @@ def gluon_eligible(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, q
 
 
 @functools.lru_cache(maxsize=None)
+def _wgmma_runs_on(device_index: int) -> bool:
+    """CUDA device ``device_index`` has compute capability 9.0 (Hopper: ``wgmma``), cached."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
 def _gluon_runs_on(device_index: int) -> bool:
     """CUDA device ``device_index`` has compute capability >= 8.9 and this Triton has Gluon (cached: the
     decode wrapper asks at every layer of every eager step)."""
@@ -395,6 +401,11 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
            if not ok]
     if bad:
         raise ValueError("the Gluon fp8 decode tile: " + "; ".join(bad))
+    if cfg.get("WGMMA", False):  # the sm_90 wgmma variant: 64 rows, one warpgroup; elsewhere the mma.sync kernel
+        if cfg["BLOCK_N"] != 64 or cfg["num_warps"] != 4 or cfg.get("maxnreg"):
+            raise ValueError("the Gluon wgmma decode tile takes BLOCK_N 64, num_warps 4 and no maxnreg, got "
+                             f"{cfg['BLOCK_N']}, {cfg['num_warps']}, {cfg.get('maxnreg')}")
+        cfg["WGMMA"] = _wgmma_runs_on(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if cfg["num_warps"] == 8 and not cfg.get("maxnreg") and "occupancy" not in user:
         cfg["occupancy"] = 1  # 168 registers x 256 threads: one program per SM (sm_90 compile report)
     return cfg, use_gluon
@@ -416,7 +427,8 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype, width: int = 5
     from registers and shared memory; used by the split count), GLUON (fp8 cache, <= 16 rows: the Gluon
     stage 1 of ``gluon_mla_decode`` with BLOCK_N rows per step and num_stages cp.async buffers; it needs
     :func:`gluon_eligible`, otherwise ``TRITON_FP8_CONFIG`` runs; ``GLUON=False`` in ``config`` selects
-    that Triton tile, see :func:`resolve_config`).
+    that Triton tile, see :func:`resolve_config`), WGMMA (with GLUON: the sm_90 ``wgmma`` stage 1 of
+    ``gluon_mla_decode_wgmma``, BLOCK_N 64, 4 warps; on other GPUs the ``mma.sync`` Gluon kernel runs).
     Session 23 (commit c7e5ac0, ``benchmarks/results/mla_decode_gluon.h200.md``): fp8 <= 16 rows Gluon N64 s2
     (0.60 of copy at B16/32K, 0.77-0.79 at B16-64 x 128K), replacing the Triton fp8 tile (TRITON_FP8_CONFIG).
     The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
@@ -474,7 +486,8 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype, width: int 
         # per warp per 64 rows against 1135; two programs per SM need a 128-register cap (72 bytes of spills)
         w8 = [dict(g, num_warps=8, maxnreg=128), dict(g, num_warps=8, occupancy=1),
               dict(g, num_warps=8, num_stages=4, occupancy=1)]
-        cands = [*w8, dict(g, num_stages=3, occupancy=1), dict(g, BLOCK_N=32, num_stages=2),
+        # session 26: the sm_90 wgmma variant (gluon_mla_decode_wgmma; the mma.sync kernel on other GPUs)
+        cands = [dict(g, WGMMA=True), *w8, dict(g, num_stages=3, occupancy=1), dict(g, BLOCK_N=32, num_stages=2),
                  dict(g, BLOCK_N=32, num_stages=4), tr, pre, cvt]
     elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
@@ -659,7 +672,11 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                   **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not interp else {}))
     grid = (groups, S, B)
     qk_scale = float(scale) * ks * LOG2E
-    if use_gluon:
+    if use_gluon and cfg.get("WGMMA", False):
+        from longflash.attention.gluon_mla_decode_wgmma import mla_decode_fp8_wgmma_stage1
+        stage1 = mla_decode_fp8_wgmma_stage1
+        common = dict(BLOCK_SIZE=block_size, STAGES=cfg["num_stages"], HAS_VIS=visible_lens is not None, num_warps=4)
+    elif use_gluon:
         from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
         stage1 = mla_decode_fp8_stage1
         common = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, STAGES=cfg["num_stages"],

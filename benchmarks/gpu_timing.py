@@ -15,12 +15,17 @@ from longflash.ops.cuda_timing import graph_seconds  # noqa: E402,F401  (the ben
 
 
 def copy_gbps(dev: torch.device, nbytes: int = 1 << 30, replays: int = 10) -> float:
-    """Device copy bandwidth in GB/s (bytes read + written per second) of a ``nbytes / 2``-byte copy,
-    timed like the kernels (:func:`graph_seconds`, 4 copies per graph)."""
-    n = nbytes // 2 // 16 * 16
-    src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
+    """Device copy bandwidth in GB/s (bytes read + written per second) of a ``nbytes / 2``-byte copy of
+    random int32 words, timed like the kernels (:func:`graph_seconds`, 4 copies per graph).
+
+    NOTE: int32, not uint8: PyTorch's copy kernel moves 4 elements per thread, so a uint8 copy (4 bytes per
+    thread) reached only 2.70-2.76 TB/s on an H200 where 4-byte elements (16 bytes per thread) reach the
+    4.0-4.2 TB/s ceiling (``benchmarks/NOTES.md``, session 26). Until session 26 this function copied
+    uint8, so the "of copy" columns of the results it fed (``results/README.md`` lists them) are ~1.5x high."""
+    n = nbytes // 2 // 16 * 4
+    src = torch.empty(n, dtype=torch.int32, device=dev).random_()
     dst = torch.empty_like(src)
-    return 2 * n / graph_seconds(lambda: dst.copy_(src), 4, replays) / 1e9
+    return 2 * n * 4 / graph_seconds(lambda: dst.copy_(src), 4, replays) / 1e9
 
 
 def kernel_count(fn) -> int | None:

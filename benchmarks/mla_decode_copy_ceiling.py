@@ -88,16 +88,13 @@ def main() -> int:
         raise SystemExit("needs a CUDA GPU of compute capability >= 8.9")
     from longflash.attention import triton_mla_decode as tk
     from longflash.ops.cuda_timing import graph_seconds
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_timing import copy_gbps
     dev = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
-    dst = torch.empty_like(src)
-
-    def copy_rate() -> float:  # bytes read + written per second
-        return 2 * n / graph_seconds(lambda: dst.copy_(src), 4, 20)
-    copy_rate()  # warm-up: the first timing in a fresh process read 2.71 TB/s on an H200 (4.2 later)
-    copy_bw = copy_rate()
+    # the copy ceiling of int32 words (a uint8 copy read 2.71 TB/s: PyTorch's copy kernel moves 4 elements
+    # per thread; gpu_timing.copy_gbps)
+    copy_bw = copy_gbps(dev, 1 << 31, 20) * 1e9
     H, W, R, BS, BLOCK_N = 16, 576, 512, 16, 64
     rows_total = 64 * 131072 + 64 * BS
     cache = torch.empty(rows_total // BS, BS, W, dtype=torch.uint8, device=dev).random_(0, 120)
@@ -131,8 +128,7 @@ def main() -> int:
         row.update(kernel_us=t * 1e6, kernel_frac=nbytes / t / copy_bw)
         res["rows"].append(row)
         print(row, flush=True)
-    copy_bw = res["copy_bw"] = max(copy_bw, copy_rate())  # once more after the kernels; the fractions use the larger
-    del src, dst
+    copy_bw = res["copy_bw"] = max(copy_bw, copy_gbps(dev, 1 << 31, 20) * 1e9)  # again after the kernels: the larger
     for row in res["rows"]:
         for k in [k for k in row if k.endswith("_us")]:
             row[k.replace("_us", "_frac")] = row["bytes"] / (row[k] * 1e-6) / copy_bw

@@ -18,9 +18,9 @@ def copy_gbps(dev: torch.device, nbytes: int = 1 << 30, replays: int = 10) -> fl
     """Device copy bandwidth in GB/s (bytes read + written per second) of a ``nbytes / 2``-byte copy of
     random int32 words, timed like the kernels (:func:`graph_seconds`, 4 copies per graph).
 
-    NOTE: int32, not uint8: PyTorch's copy kernel moves 4 elements per thread, so a uint8 copy (4 bytes per
-    thread) reached only 2.70-2.76 TB/s on an H200 where 4-byte elements (16 bytes per thread) reach the
-    4.0-4.2 TB/s ceiling (``benchmarks/NOTES.md``, session 26). Until session 26 this function copied
+    NOTE: int32, not uint8: a uint8 ``copy_`` measured 2.70-2.76 TB/s in every H200 run where copies of
+    4-byte elements measured the 4.0-4.2 TB/s ceiling (``benchmarks/NOTES.md``, session 26; likely cause:
+    PyTorch's elementwise copy moves a fixed number of elements, not bytes, per thread). Until session 26 this function copied
     uint8, so the "of copy" columns of the results it fed (``results/README.md`` lists them) are ~1.5x high."""
     n = nbytes // 2 // 16 * 4
     src = torch.empty(n, dtype=torch.int32, device=dev).random_()

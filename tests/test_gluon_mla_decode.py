@@ -143,14 +143,18 @@ def _check(out, lse, ro, rl):
     assert lse_err.max().item() <= 1e-3
 
 
-@cuda
-@pytest.mark.parametrize("H,seq,ql,bs,qdt", [
+# (heads, seq_lens, q_lens, block_size, q dtype) of the GPU reference checks (also test_gluon_mla_decode_wgmma.py)
+REFERENCE_CASES = [
     (16, [4096 + 13, 70000, 1, 0, 777], [1] * 5, 16, torch.bfloat16),
     (16, [33, 20000, 5], [1, 1, 1], 64, torch.float16),
     (8, [5000, 2, 300], [2, 2, 1], 16, torch.bfloat16),   # 16 rows: 2 tokens x 8 heads, causal among them
     (4, [3000, 4, 0], [4, 4, 1], 16, torch.bfloat16),     # 16 rows, a query that precedes its cache row
     (1, [129, 7000], [1, 16], 16, torch.bfloat16),
-])
+]
+
+
+@cuda
+@pytest.mark.parametrize("H,seq,ql,bs,qdt", REFERENCE_CASES)
 def test_gpu_matches_reference(H, seq, ql, bs, qdt):
     from longflash.attention import ops
     from longflash.attention import triton_mla_decode as tk

@@ -15,7 +15,7 @@ fp16 / bf16 q) and agreement with the mma.sync kernel (the same arithmetic in an
 import pytest
 import torch
 
-from test_gluon_mla_decode import _check, _gpu_case
+from test_gluon_mla_decode import REFERENCE_CASES, _check, _gpu_case
 
 cuda90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                             reason="needs a CUDA device of compute capability 9.0")
@@ -99,13 +99,7 @@ def test_resolve_config(monkeypatch):
 
 
 @cuda90
-@pytest.mark.parametrize("H,seq,ql,bs,qdt", [
-    (16, [4096 + 13, 70000, 1, 0, 777], [1] * 5, 16, torch.bfloat16),
-    (16, [33, 20000, 5], [1, 1, 1], 64, torch.float16),
-    (8, [5000, 2, 300], [2, 2, 1], 16, torch.bfloat16),   # 16 rows: 2 tokens x 8 heads, causal among them
-    (4, [3000, 4, 0], [4, 4, 1], 16, torch.bfloat16),     # 16 rows, a query that precedes its cache row
-    (1, [129, 7000], [1, 16], 16, torch.bfloat16),
-])
+@pytest.mark.parametrize("H,seq,ql,bs,qdt", REFERENCE_CASES)
 def test_gpu_matches_reference(H, seq, ql, bs, qdt):
     from longflash.attention import ops
     from longflash.attention import triton_mla_decode as tk

@@ -202,6 +202,36 @@ def _columns_to_latent_dims(o, LO: gl.constexpr, HI: gl.constexpr):
 
 
 @gluon.jit
+def _q_row_scale(amax):
+    """Per q row, the power of two 2^e that puts max |q row| (``amax``, fp32) in [2^13, 2^14): fp16 range for
+    the fp16 products (the Triton kernel's F16 rule); 1 for an all-zero row."""
+    e = 127 + 13 - (((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127)
+    return gl.where(amax > 0, (gl.minimum(gl.maximum(e, 1), 254) << 23).to(gl.float32, bitcast=True), 1.0)
+
+
+@gluon.jit
+def _visible_rows(vis_ptr, q_start, kv_len, q_len, j, row_ok, HAS_VIS: gl.constexpr):
+    """Cache rows each query row sees: the DCP-local visible lengths (HAS_VIS), else causal (query j of the
+    request's q_len sits at position kv_len - q_len + j and sees the rows at or before it)."""
+    if HAS_VIS:
+        vis = gl.load(vis_ptr + (q_start + j).to(gl.int64), mask=row_ok, other=0)
+    else:
+        vis = kv_len - q_len + j + 1
+    return vis
+
+
+@gluon.jit
+def _split_rows(kv_len, num_splits, pid_s, pid_g, q_len, H, BLOCK_N: gl.constexpr):
+    """This program's cache rows [lo, hi) of its request (splits of whole BLOCK_N tiles; none for a head-group
+    past the request's query rows) and its number of tiles."""
+    chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = gl.minimum(lo + chunk, kv_len)
+    hi = gl.where(pid_g * 16 < q_len * H, hi, lo)
+    return lo, hi, gl.cdiv(hi - lo, BLOCK_N)
+
+
+@gluon.jit
 def _block_ids(bt_row, start, hi, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, L: gl.constexpr):
     """Physical block of each cache row start .. start + BLOCK_N - 1 (0 past ``hi``), in layout ``L``."""
     n = start + gl.arange(0, BLOCK_N, layout=L)
@@ -288,8 +318,7 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     q_n = gl.load(q_row + wq * 128 + dq, mask=okq, other=0.0).to(gl.float32)
     q_p = gl.load(q_row + 512 + wq * 16 + pq, mask=okq, other=0.0).to(gl.float32)
     amax = gl.maximum(gl.max(gl.max(gl.abs(q_n), axis=2), axis=0), gl.max(gl.max(gl.abs(q_p), axis=2), axis=0))
-    e = 127 + 13 - (((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127)
-    qs = gl.where(amax > 0, (gl.minimum(gl.maximum(e, 1), 254) << 23).to(gl.float32, bitcast=True), 1.0)
+    qs = _q_row_scale(amax)
     qs3 = gl.expand_dims(gl.expand_dims(qs, 0), 2)
     q_n = (q_n * qs3).to(gl.float16)
     q_p = (q_p * qs3).to(gl.float16)
@@ -317,17 +346,9 @@ def mla_decode_fp8_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr,
     m_idx = pid_g * 16 + gl.arange(0, 16, layout=ROWS)
     row_ok = m_idx < q_len * H
     j = m_idx // H
-    if HAS_VIS:
-        vis = gl.load(vis_ptr + (q_start + j).to(gl.int64), mask=row_ok, other=0)
-    else:
-        vis = kv_len - q_len + j + 1
+    vis = _visible_rows(vis_ptr, q_start, kv_len, q_len, j, row_ok, HAS_VIS)
     qsc = qk_scale / gl.convert_layout(qs, ROWS)  # exact: qs is a power of two
-
-    chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
-    hi = gl.minimum(lo + chunk, kv_len)
-    hi = gl.where(pid_g * 16 < q_len * H, hi, lo)
-    num_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    lo, hi, num_tiles = _split_rows(kv_len, num_splits, pid_s, pid_g, q_len, H, BLOCK_N)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
 
     BTN: gl.constexpr = gl.SliceLayout(1, CPN)

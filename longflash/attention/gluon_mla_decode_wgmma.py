@@ -35,8 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from longflash.attention.gluon_mla_decode import (_block_ids, _copy_rows, _e4m3_block_to_f16_pairs,
-                                                  _swizzled_tile_layout)
+from longflash.attention.gluon_mla_decode import (_block_ids, _copy_rows, _e4m3_block_to_f16_pairs, _q_row_scale,
+                                                  _split_rows, _swizzled_tile_layout, _visible_rows)
 
 BLOCK_N = gl.constexpr(64)  # cache rows per step: wgmma's M
 
@@ -203,8 +203,7 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
     c64 = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 0)
     amax = gl.maximum(gl.max(gl.abs(gl.load(q_row + c512, mask=okq, other=0.0).to(gl.float32)), axis=1),
                       gl.max(gl.abs(gl.load(q_row + 512 + c64, mask=okq, other=0.0).to(gl.float32)), axis=1))
-    e = 127 + 13 - (((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127)
-    qs = gl.where(amax > 0, (gl.minimum(gl.maximum(e, 1), 254) << 23).to(gl.float32, bitcast=True), 1.0)
+    qs = _q_row_scale(amax)
     q_smem = gl.allocate_shared_memory(gl.float16, [9, 16, 64], B_SH)
     cpos = _dims_of_positions(c64)
     for c in gl.static_range(9):
@@ -214,22 +213,24 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
     kn_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, BLOCK_N, 128], KN_SH)
     kp_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], KP_SH)
     pt_smem = gl.allocate_shared_memory(gl.float16, [16, BLOCK_N], B_SH)
+    # the swizzles leave the copies in, the score reads, the value reads and q's stores free of bank conflicts
+    kq0 = kn_smem.index(0)
+    kp0 = kp_smem.index(0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 128], CPN), kq0.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 64], CPP), kp0.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 128], SL),
+                                       _positions_of(kq0, 128).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 64], SLR), _positions_of(kp0, 64).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [128, BLOCK_N], VL), _value_view(kq0).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float16, [16, 64], QL), q_smem.index(0).type) == 0)
     fence_async_shared()  # q's stores before wgmma reads them (the loop's first barrier orders the warps)
 
     h_idx = pid_g * 16 + gl.arange(0, 16, layout=HEADS)
     row_ok = h_idx < q_len * H
     j = h_idx // H
-    if HAS_VIS:
-        vis = gl.load(vis_ptr + (q_start + j).to(gl.int64), mask=row_ok, other=0)
-    else:
-        vis = kv_len - q_len + j + 1
+    vis = _visible_rows(vis_ptr, q_start, kv_len, q_len, j, row_ok, HAS_VIS)
     qsc = qk_scale / gl.convert_layout(qs, HEADS)  # exact: qs is a power of two
-
-    chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
-    hi = gl.minimum(lo + chunk, kv_len)
-    hi = gl.where(pid_g * 16 < q_len * H, hi, lo)
-    num_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    lo, hi, num_tiles = _split_rows(kv_len, num_splits, pid_s, pid_g, q_len, H, BLOCK_N)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
 
     BTN: gl.constexpr = gl.SliceLayout(1, CPN)

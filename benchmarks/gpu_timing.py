@@ -1,5 +1,5 @@
 """Timing helpers shared by the kernel benchmarks (``attn_res_kernel.py``, ``fused_elementwise.py``,
-``moe_routing.py``): CUDA-graph timing per call, the device copy ceiling timed the same way, and the
+``moe_routing.py``, ...): CUDA-graph timing per call, the device copy ceiling (eager, see ``copy_gbps``), and the
 number of GPU launches of one eager call. Method: ``/work/.library/device/METHOD.md`` (back-to-back
 calls in one graph remove the host's launch cost from the kernel's time)."""
 
@@ -11,21 +11,20 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longflash.bench_roofline import measure_copy_bandwidth  # noqa: E402
 from longflash.ops.cuda_timing import graph_seconds  # noqa: E402,F401  (the benchmarks import it from here)
 
 
 def copy_gbps(dev: torch.device, nbytes: int = 1 << 30, replays: int = 10) -> float:
-    """Device copy bandwidth in GB/s (bytes read + written per second) of a ``nbytes / 2``-byte copy of
-    random int32 words, timed like the kernels (:func:`graph_seconds`, 4 copies per graph).
+    """Device copy bandwidth in GB/s (bytes read + written per second): ``bench_roofline.
+    measure_copy_bandwidth``, an eager ``copy_`` of ``nbytes`` timed with events (median of ``replays``).
 
-    NOTE: int32, not uint8: a uint8 ``copy_`` measured 2.70-2.76 TB/s in every H200 run where copies of
-    4-byte elements measured the 4.0-4.2 TB/s ceiling (``benchmarks/NOTES.md``, session 26; likely cause:
-    PyTorch's elementwise copy moves a fixed number of elements, not bytes, per thread). Until session 26 this function copied
-    uint8, so the "of copy" columns of the results it fed (``results/README.md`` lists them) are ~1.5x high."""
-    n = nbytes // 2 // 16 * 4
-    src = torch.empty(n, dtype=torch.int32, device=dev).random_()
-    dst = torch.empty_like(src)
-    return 2 * n * 4 / graph_seconds(lambda: dst.copy_(src), 4, replays) / 1e9
+    NOTE: until session 26 this timed ``copy_`` inside a CUDA graph, which read 2.70-2.76 TB/s in every H200
+    run while the eager copy read 4.0-4.2 TB/s (for uint8 too: ``mla_decode.py``'s ceiling). A contiguous
+    ``copy_`` is a ``cudaMemcpyAsync``, captured as a memcpy node of the graph; why that node runs slower
+    is not established (``benchmarks/NOTES.md``, session 26). The "of copy" columns this function fed
+    before are ~1.5x high (``results/README.md`` lists them)."""
+    return measure_copy_bandwidth(dev, nbytes, replays)
 
 
 def kernel_count(fn) -> int | None:

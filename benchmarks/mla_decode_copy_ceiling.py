@@ -92,8 +92,7 @@ def main() -> int:
     from gpu_timing import copy_gbps
     dev = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
-    # the copy ceiling of int32 words (a uint8 copy read 2.71 TB/s: PyTorch's copy kernel moves 4 elements
-    # per thread; gpu_timing.copy_gbps)
+    # the eager copy ceiling (gpu_timing.copy_gbps; a copy_ captured in a CUDA graph read 2.71 TB/s here)
     copy_bw = copy_gbps(dev, 1 << 31, 20) * 1e9
     H, W, R, BS, BLOCK_N = 16, 576, 512, 16, 64
     rows_total = 64 * 131072 + 64 * BS

@@ -1,6 +1,6 @@
-"""Dependent launches vs one persistent kernel with grid barriers (issue 10, benchmark 2: what a persistent
-batch-1 decode step could gain).
+"""Dependent launches vs one persistent kernel with grid barriers (issue 10, benchmark 2).
 
+What a persistent batch-1 decode step could gain.
 A chain of ``--phases`` one-token GEMVs ``y[i + 1] = W_i · y[i]`` (W_i [d, d] bf16, fp32 accumulation,
 y rounded to bf16 per step: the shape of a decode step's dense projections) is run three ways, each timed
 as CUDA-graph replays (``gpu_timing.graph_seconds``):
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 import torch
@@ -83,13 +84,30 @@ def _chain_kernel(w_ptr, ys_ptr, bar_ptr, L, D, BLOCK_N: tl.constexpr, BLOCK_K: 
 def persistent_chain(w: torch.Tensor, ys: torch.Tensor, bar: torch.Tensor, block_n: int, prefetch: bool = True,
                      work: bool = True, num_warps: int = 8) -> None:
     """Run the chain ys[i + 1] = w[i] · ys[i] (w [L, D, D], ys [L + 1, D], same dtype) in one launch of
-    D / block_n programs; ``bar`` is an int32 counter, 0 on entry (and on return)."""
+    D / block_n programs, one per SM at most; ``bar`` is an int32 counter, 0 on entry (and on return).
+
+    Raises:
+        ValueError: block_n not a positive divisor of D; more programs than the device's SMs (they must all be
+            resident at once, or the barrier never opens); more than one program in Triton's interpreter
+            (it runs programs one after another)."""
     L, D, _ = w.shape
+    if block_n < 1 or D % block_n:
+        raise ValueError(f"block_n must be a positive divisor of D = {D}, got {block_n}")
     programs = D // block_n
-    if D % block_n or (interpreting() and programs > 1):
-        raise ValueError(f"D {D} must be a multiple of block_n {block_n} (one program in the interpreter)")
+    limit = 1 if interpreting() else sm_count(w.device)
+    if programs > limit:
+        raise ValueError(f"D / block_n = {programs} programs, more than the {limit} that can wait at a grid barrier "
+                         + ("in the interpreter (one program at a time)" if interpreting() else "(one per SM)"))
     _chain_kernel[(programs,)](w, ys, bar, L, D, BLOCK_N=block_n, BLOCK_K=D, PREFETCH=prefetch, WORK=work,
                                INTERPRET=interpreting(), num_warps=num_warps)
+
+
+def block_n_for(d: int, programs: int) -> int:
+    """The smallest power of two ``block_n`` dividing ``d`` with ``d / block_n`` <= ``programs``."""
+    block_n = 1
+    while d // block_n > programs or d % block_n:
+        block_n *= 2
+    return block_n
 
 
 def rel_err(w: torch.Tensor, ys: torch.Tensor) -> float:
@@ -99,10 +117,11 @@ def rel_err(w: torch.Tensor, ys: torch.Tensor) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--phases", type=int, default=48, help="dependent GEMVs per chain")
-    ap.add_argument("--dims", type=int, nargs="+", default=[1024, 2048], help="d of the [d, d] weights")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--out", required=True, help="directory for persistent_chain.json / .md")
+    ap.add_argument("--phases", type=int, default=48, help="dependent GEMVs per chain (GPU; the CPU smoke runs 3)")
+    ap.add_argument("--dims", type=int, nargs="+", default=[1024, 2048],
+                    help="d of the [d, d] weights (GPU; the CPU smoke runs 64)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -111,16 +130,12 @@ def main() -> int:
     L = args.phases if cuda else 3
     dims = args.dims if cuda else [64]
     res = {"commit": provenance.commit(), "device": torch.cuda.get_device_name(dev) if cuda else "cpu (interpreter)",
-           "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(["python3"] + sys.argv),
+           "torch": torch.__version__, "triton": triton.__version__, "command": shlex.join(["python3"] + sys.argv),
            "phases": L, "sms": sms, "copy_gbps": copy_gbps(dev) if cuda else None, "rows": []}
     g = torch.Generator(device=dev).manual_seed(0)
     bar = torch.zeros(1, dtype=torch.int32, device=dev)
     for d in dims:
-        # programs: the fewest row blocks of a power-of-two size that fit the SMs (one program each)
-        block_n = d if not cuda else max(1, d // sms)
-        block_n = 1 << (block_n - 1).bit_length()
-        while cuda and d // block_n > sms:
-            block_n *= 2
+        block_n = block_n_for(d, sms if cuda else 1)  # one program per SM (one in the interpreter)
         w = (torch.randn(L, d, d, device=dev, generator=g) / d ** 0.5).to(torch.bfloat16)
         x0 = torch.randn(d, device=dev, generator=g).to(torch.bfloat16)
         mb = d * d * 2 / 1e6
@@ -148,7 +163,8 @@ def main() -> int:
         json.dump(res, f, indent=1)
     lines = [f"# Dependent launches vs a persistent kernel with grid barriers ({res['device']})", "",
              f"commit {res['commit']}; torch {res['torch']}; triton {res['triton']}; {L} dependent phases per chain; "
-             f"copy {res['copy_gbps'] or 0:.0f} GB/s", "", f"`{res['command']}`", "",
+             + (f"copy {res['copy_gbps']:.0f} GB/s" if res['copy_gbps'] else "no copy ceiling (CPU smoke)"), "",
+             f"`{res['command']}`", "",
              "| d | MB per phase | variant | programs | µs per phase | fraction of copy | rel err |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['d']} | {r['MB_per_phase']:.1f} | {r['variant']} | {r['programs'] or 'engine GEMV'} | "

@@ -30,6 +30,9 @@ def test_relabellings_are_permutations():
         assert [k_position_to_dim(x) for x in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)] == [4 * c + i for i in range(4)]
     m = torch.arange(512)
     assert sorted(latent_dim_of_value_row(m).tolist()) == list(range(512))
+    for bad in (512, -1, torch.tensor([3, 600])):
+        with pytest.raises(ValueError, match="value rows"):
+            latent_dim_of_value_row(bad)
     # the thread holding value rows m, m + 8, m + 64, m + 72 of a quarter holds 4 consecutive dims
     for base in (0, 5, 17, 128 + 39):
         dims = [latent_dim_of_value_row(base + o) for o in (0, 8, 64, 72)]
@@ -59,14 +62,15 @@ def _compile_sm90() -> dict:
 
 def test_compiles_for_sm90():
     """Each variant compiles for sm_90 with wgmma, cp.async, the in-thread byte transpose, no byte loads, no
-    local memory, and two programs' shared memory per SM (< 114 KB each)."""
+    local memory, and at 2 stages shared memory for two programs per SM (<= 113 KB each: 228 KB per SM, 1 KB
+    reserved per program)."""
     from sm90_compile import compile_report
     res = compile_report(__file__)
     assert set(res) == set(COMPILE_VARIANTS)
     bad = {k: v for k, v in res.items() if not (v.get("ok") and v["wgmma"] and v["cp_async"] and v["prmt_asm"]
                                                and not v["byte_loads"] and not v["local"])}
     assert not bad, bad
-    assert res["default"]["smem"] <= 116 * 1024
+    assert res["default"]["smem"] <= 113 * 1024
 
 
 def test_compile_stage1_refuses_what_the_kernel_cannot_take():
@@ -74,7 +78,7 @@ def test_compile_stage1_refuses_what_the_kernel_cannot_take():
     from triton.backends.compiler import GPUTarget
     from longflash.attention.gluon_mla_decode_wgmma import compile_stage1
     for kw, msg in ((dict(q_dtype="fp32"), "q_dtype"), (dict(stages=1), "stages"), (dict(block_size=0), "block_size"),
-                    (dict(target=GPUTarget("cuda", 89, 32)), "9.0")):
+                    (dict(stages=2.5), "stages"), (dict(split="no"), "split"), (dict(target=GPUTarget("cuda", 89, 32)), "9.0")):
         with pytest.raises(ValueError, match=msg):
             compile_stage1(**kw)
 
@@ -92,9 +96,17 @@ def test_resolve_config(monkeypatch):
         monkeypatch.setattr(tk, "_wgmma_runs_on", lambda idx, v=sm90: v)
         cfg, use = tk.resolve_config(q, cache, 512, 1, {"WGMMA": True})
         assert use and cfg == dict(tk.GLUON_FP8_CONFIG, WGMMA=sm90)
-    for bad in ({"WGMMA": True, "BLOCK_N": 32}, {"WGMMA": True, "num_warps": 8}):
-        with pytest.raises(ValueError, match="wgmma decode tile"):
+    for bad, key in (({"WGMMA": True, "BLOCK_N": 32}, "BLOCK_N 32"), ({"WGMMA": True, "num_warps": 8}, "num_warps 8"),
+                     ({"WGMMA": True, "maxnreg": 168}, "maxnreg 168")):
+        with pytest.raises(ValueError, match=f"wgmma decode tile: {key}"):
             tk.resolve_config(q, cache, 512, 1, bad)
+    with pytest.raises(ValueError, match="WGMMA must be True or False"):
+        tk.resolve_config(q, cache, 512, 1, {"WGMMA": "yes"})
+    monkeypatch.setattr(tk, "_wgmma_runs_on", lambda idx: True)
+    assert tk.resolve_config(q, cache, 512, 1, {"WGMMA": True, "num_stages": 3})[0]["occupancy"] == 1  # 131 KB
+    monkeypatch.setattr(tk, "gluon_eligible", lambda *a: False)  # where Gluon cannot run the key is dropped
+    cfg, use = tk.resolve_config(q, cache, 512, 1, {"WGMMA": True})
+    assert not use and "WGMMA" not in cfg
     assert any(c.get("WGMMA") for c in tk.candidate_configs(16, FP8_DTYPE))
 
 

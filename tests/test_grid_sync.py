@@ -89,10 +89,11 @@ def test_persistent_gemv_chain_gpu():
     import persistent_chain as pc
     g = torch.Generator(device="cuda").manual_seed(0)
     L, d = 12, 2048
+    block_n = pc.block_n_for(d, sm_count(torch.device("cuda")))  # one program per SM at most
     w = (torch.randn(L, d, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
     bar = torch.zeros(1, dtype=torch.int32, device="cuda")
     for prefetch in (True, False):
         ys = torch.zeros(L + 1, d, dtype=torch.bfloat16, device="cuda")
         ys[0] = torch.randn(d, device="cuda", generator=g).to(torch.bfloat16)
-        pc.persistent_chain(w, ys, bar, block_n=16, prefetch=prefetch)
+        pc.persistent_chain(w, ys, bar, block_n=block_n, prefetch=prefetch)
         assert pc.rel_err(w, ys) < 1e-2 and int(bar.item()) == 0

@@ -12,7 +12,7 @@ contracted a quarter of the latent dims) and its barrier. Here both products are
 64 cache rows are wgmma's M side and the 16 query rows its N side (``m64n16k16``):
 
 - scores ``S^T [64 rows, 16] = K · Q^T``: K (the cache tile, A) from registers, converted from the fp8
-  bytes 64 latent dims at a time; ``Q^T`` (B) from shared memory, written once per program. Each warp
+  bytes 128 latent dims (one quarter buffer) at a time; ``Q^T`` (B) from shared memory, written once per program. Each warp
   owns 16 cache rows over all 576 dims, so no partial scores are exchanged;
 - values ``O^T [512, 16] = V^T · P^T`` in four 128-dim quarters: ``V^T`` (A) from registers, built from
   4 x 4 byte blocks (4 consecutive rows x 4 consecutive latent dims, four 4-byte loads, then the
@@ -22,8 +22,12 @@ contracted a quarter of the latent dims) and its barrier. Here both products are
   reads row / latent dim ``dim(p)`` (bits p0 p3 p1 p2 -> d0 d1 d2 d3, :func:`k_position_to_dim`), applied
   alike to both operands of a product, so the sums are unchanged; the 512 value rows (output columns) are
   a bit permutation of the latent dims (:func:`latent_dim_of_value_row`), undone when the output is stored.
-Predicted (sm_90 compile, CPU): fewer instructions per tile than the ``mma.sync`` kernel; not yet timed
-on the GPU, so it is a candidate (config key ``WGMMA``), not the default.
+Shared memory: 94,464 bytes at 2 stages (two programs per SM), 131,328 at 3 (one). sm_90 compile: 987
+loop instructions per warp per 64-row tile (the ``mma.sync`` kernel: 1,135), 255 registers, no spills.
+Measured on an H200 (``benchmarks/NOTES.md``, session 26): equal to the reference as the ``mma.sync`` kernel
+is, 1.00-1.06x its speed (0.86 of the copy bandwidth at batch 64 x 128K). A candidate (config key
+``WGMMA`` with ``GLUON``, passed as ``config=`` to :func:`triton_mla_decode.mla_decode_attention`; the
+engine runs the default), not yet the default: its DCP and engine GPU tests have not run.
 Gluon kernels run only on the GPU; the CPU suite compiles this one for sm_90 and the GPU tests compare it
 with the reference.
 """
@@ -42,16 +46,21 @@ BLOCK_N = gl.constexpr(64)  # cache rows per step: wgmma's M
 
 
 def k_position_to_dim(p):
-    """Within a 16-wide contraction step, the row / latent dim (0..15) that wgmma position ``p`` (0..15)
-    reads: bits p0 p3 p1 p2 -> d0 d1 d2 d3, so that a thread's four positions {2c, 2c+1, 2c+8, 2c+9} of the
-    register operand are the four consecutive dims 4c..4c+3 (one 4-byte load). Ints or integer tensors."""
+    """The row / dim that contraction position ``p`` (any non-negative int, e.g. 0..575) reads: within each
+    16-wide step, bits p0 p3 p1 p2 -> d0 d1 d2 d3 (the step, p's bits 4 and up, is kept), so that a thread's
+    four positions {2c, 2c+1, 2c+8, 2c+9} of the register operand are the four consecutive dims 4c..4c+3 (one
+    4-byte load). Ints or integer tensors."""
     return (p & 1) | (((p >> 3) & 1) << 1) | (((p >> 1) & 1) << 2) | (((p >> 2) & 1) << 3) | (p & ~15)
 
 
 def latent_dim_of_value_row(m):
-    """The latent dim (0..511) that value row ``m`` (wgmma's M index of ``O^T``) of the kernel reads: within
-    each 128-dim quarter, m bits (m0-2, m3, m4-5, m6) -> dim bits (2-4, 0, 5-6, 1); the quarter bits 7-8
-    kept. So the thread that holds rows m, m + 8, m + 64, m + 72 of a quarter holds 4 consecutive dims."""
+    """The latent dim (0..511) that value row ``m`` (0..511, wgmma's M index of ``O^T``) of the kernel reads:
+    within each 128-dim quarter, m bits (m0-2, m3, m4-5, m6) -> dim bits (2-4, 0, 5-6, 1); the quarter bits
+    7-8 kept. So the thread that holds rows m, m + 8, m + 64, m + 72 of a quarter holds 4 consecutive dims.
+    Ints or integer tensors; raises ValueError for a row outside 0..511."""
+    lo, hi = (m, m) if isinstance(m, int) else ((int(m.min()), int(m.max())) if m.numel() else (0, 0))
+    if lo < 0 or hi > 511:
+        raise ValueError(f"value rows are 0..511, got {lo}..{hi}")
     return (((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5) | (m & 384))
 
 
@@ -353,8 +362,10 @@ def compile_stage1(target=None, *, stages: int = 2, split: bool = True, has_vis:
     target = target or GPUTarget("cuda", 90, 32)
     if q_dtype not in ("bf16", "fp16"):
         raise ValueError(f"q_dtype must be 'bf16' or 'fp16', got {q_dtype!r}")
-    if stages < 2 or block_size < 1:
-        raise ValueError(f"stages must be >= 2 and block_size >= 1, got {stages}, {block_size}")
+    if not isinstance(stages, int) or not isinstance(block_size, int) or stages < 2 or block_size < 1:
+        raise ValueError(f"stages must be an int >= 2 and block_size an int >= 1, got {stages!r}, {block_size!r}")
+    if not isinstance(split, bool) or not isinstance(has_vis, bool):
+        raise ValueError(f"split and has_vis must be bools, got {split!r}, {has_vis!r}")
     if target.backend != "cuda" or int(target.arch) != 90:
         raise ValueError(f"the kernel needs compute capability 9.0 (wgmma), got {target}")
     sig = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*u8", "bt_ptr": "*i32", "qsl_ptr": "*i32", "kvlen_ptr": "*i32",

@@ -390,8 +390,11 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     if not use_gluon and base.get("GLUON", False):
         cfg = dict(TRITON_FP8_CONFIG, **{k: v for k, v in user.items() if k != "GLUON"})
     check_tile_shape(cfg, "MLA decode config")
+    if not isinstance(cfg.get("WGMMA", False), bool):
+        raise ValueError(f"MLA decode config key WGMMA must be True or False, got {cfg['WGMMA']!r}")
     if not use_gluon:
         cfg["GLUON"] = False
+        cfg.pop("WGMMA", None)  # a Gluon-only key: the Triton kernel runs
         return cfg, use_gluon
     bad = [msg for ok, msg in ((cfg["BLOCK_M"] == 16, f"BLOCK_M must be 16 (got {cfg['BLOCK_M']})"),
                                (cfg["BLOCK_N"] in (32, 64), f"BLOCK_N must be 32 or 64 (got {cfg['BLOCK_N']})"),
@@ -402,10 +405,13 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     if bad:
         raise ValueError("the Gluon fp8 decode tile: " + "; ".join(bad))
     if cfg.get("WGMMA", False):  # the sm_90 wgmma variant: 64 rows, one warpgroup; elsewhere the mma.sync kernel
-        if cfg["BLOCK_N"] != 64 or cfg["num_warps"] != 4 or cfg.get("maxnreg"):
-            raise ValueError("the Gluon wgmma decode tile takes BLOCK_N 64, num_warps 4 and no maxnreg, got "
-                             f"{cfg['BLOCK_N']}, {cfg['num_warps']}, {cfg.get('maxnreg')}")
+        bad = [f"{k} {cfg.get(k)} (must be {v})" for k, v in (("BLOCK_N", 64), ("num_warps", 4), ("maxnreg", None))
+               if cfg.get(k) != v]
+        if bad:
+            raise ValueError("the Gluon wgmma decode tile: " + "; ".join(bad))
         cfg["WGMMA"] = _wgmma_runs_on(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        if cfg["WGMMA"] and "occupancy" not in user:
+            cfg["occupancy"] = 2 if cfg["num_stages"] == 2 else 1  # 94 KB of shared memory at 2 stages, 131 KB at 3
     if cfg["num_warps"] == 8 and not cfg.get("maxnreg") and "occupancy" not in user:
         cfg["occupancy"] = 1  # 168 registers x 256 threads: one program per SM (sm_90 compile report)
     return cfg, use_gluon

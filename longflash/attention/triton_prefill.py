@@ -75,7 +75,8 @@ LOG2E = 1.4426950408889634
 # registers instead of 255) instead of cp.async; same smem plus the barriers. H200
 # (benchmarks/results/prefill_attention_tma.h200.md): 128x64 s3 TMA, the best, causal 16K 2.59 ms (0.66
 # of the GEMM rate) against 3.19 for the best cp.async tile, causal 4K 0.190 vs 0.219, the 4K x 32K chunk
-# 2.46 vs 3.18; the "_ms1" and "_ov" entries below are not yet timed. NOTE: with cp.async ptxas
+# 2.46 vs 3.18; the "_ms1" and "_ov" entries below measured slower than 128x64 s3 TMA in session 26
+# (causal 16K 2.77-3.42 ms vs 2.50; results/prefill_attention_s26_sweep.h200.json). NOTE: with cp.async ptxas
 # serializes every wgmma of the kernel (its warning C7515, "non wgmma instructions defining accumulator
 # registers"; only with both key loops in the kernel, not with either alone): the SASS waits after each HGMMA, 32 waits for 32 HGMMAs at 128x64 s3, where the TMA
 # kernel keeps one wait per dot (6 for 32). The "_ms1" entries are the cp.async kernels with the masked

@@ -42,6 +42,8 @@ run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_trit
 run cuda_graph_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe_grouped.py tests/test_norm_triton.py tests/test_gemv_triton.py -k "(graph or gpu or sync) and not interpreter and not sm90"
 run gluon_decode_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_mla_decode.py tests/test_gluon_mla_decode_wgmma.py tests/test_grid_sync.py -k gpu
 run mla_decode_ab 100 python3 benchmarks/mla_decode_ab.py --out "$R" --configs '{}' '{"WGMMA": true}' --shapes 16x32768 16x131072 64x32768 64x131072
+run moe_decode 120 python3 benchmarks/moe_decode.py --out "$R"
+run moe_decode_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_moe_decode_triton.py tests/test_moe_router_triton.py -k "gpu or cuda"
 run gemv 100 python3 benchmarks/gemv.py --out "$R" --budget-s 60
 run launch_floor 60 python3 benchmarks/launch_floor.py --out "$R"
 run penalties_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_penalties.py -k gpu

@@ -64,17 +64,16 @@ def _unordered(o):
 
 
 @triton.jit
-def _topk_routing_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scale,
-                         N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr, GS_P: tl.constexpr,
-                         TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         SOFTMAX: tl.constexpr, RENORM: tl.constexpr, INTERPRET: tl.constexpr,
-                         IDX_BITS: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def route_scores(x, bias_ptr, scale, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr,
+                 GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SOFTMAX: tl.constexpr, RENORM: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr):
+    """Steps 1-3 of the module docstring for one token: ``x`` [NG_P, GS_P] fp32 router logits laid out
+    [group, expert in group] (-inf padding). Returns (sel, w, ids), each [NG_P * GS_P]: whether the expert is
+    chosen, its weight (0 where not chosen; renormalised when RENORM, times ``scale``) and its id."""
     g = tl.arange(0, NG_P)[:, None]
     j = tl.arange(0, GS_P)[None, :]
     valid = (g < N_GROUP) & (j < GROUP_SIZE)
     e = g * GROUP_SIZE + j  # expert id, [NG_P, GS_P]
-    x = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)
     one = tl.full(x.shape, 1.0, tl.float32)
     if SOFTMAX:
         ex = exp_f32(x - tl.max(tl.max(x, 1), 0), not INTERPRET)  # padding: exp(-inf) = 0
@@ -110,13 +109,28 @@ def _topk_routing_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scale,
     for _ in tl.static_range(TOP_K):
         rest = tl.where(rest == tl.max(rest, 0), -1, rest)
     sel = rest != key
-    # slots in ascending expert id (torch.topk(sorted=False) leaves the order unspecified)
-    a = sel.to(tl.int32)
-    pos = tl.cumsum(a, 0) - a
     w = tl.where(sel, sc, 0.0)
     if RENORM:
         w = tl.math.div_rn(w, tl.full(w.shape, 1.0, tl.float32) * (tl.sum(w, 0) + 1e-20))
-    w = w * scale
+    return sel, w * scale, ids
+
+
+@triton.jit
+def _topk_routing_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scale,
+                         N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr, GS_P: tl.constexpr,
+                         TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SOFTMAX: tl.constexpr, RENORM: tl.constexpr, INTERPRET: tl.constexpr,
+                         IDX_BITS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, NG_P)[:, None]
+    j = tl.arange(0, GS_P)[None, :]
+    valid = (g < N_GROUP) & (j < GROUP_SIZE)
+    x = tl.load(logits_ptr + t * stride_l + g * GROUP_SIZE + j, mask=valid, other=float("-inf")).to(tl.float32)
+    sel, w, ids = route_scores(x, bias_ptr, scale, N_GROUP, GROUP_SIZE, NG_P, GS_P, TOP_K, TOPK_GROUP, HAS_BIAS,
+                               SOFTMAX, RENORM, INTERPRET, IDX_BITS)
+    # slots in ascending expert id (torch.topk(sorted=False) leaves the order unspecified)
+    a = sel.to(tl.int32)
+    pos = tl.cumsum(a, 0) - a
     tl.store(w_ptr + t * TOP_K + pos, w, mask=sel)
     tl.store(ids_ptr + t * TOP_K + pos, ids.to(tl.int64), mask=sel)
 

@@ -1,0 +1,274 @@
+"""A DeepSeek-V3-style MoE sub-layer for one token in one persistent Triton launch (router, noaux_tc top-k
+routing, the chosen routed experts and the shared experts, SiLU gating, weighted combine); reference
+:func:`moe_decode_ref` (same arguments; the tests compare them).
+
+Why: at batch 1 a decode step is bound by dependent launches, ~0.7-1.5 µs each (``benchmarks/NOTES.md``,
+sessions 22-26), and the MoE sub-layer is ~9 of them (router GEMM, routing, alignment, two grouped GEMMs,
+two activations, the shared experts' two GEMVs, the combine) for ~25 MB of weights (~6 µs at copy rate
+on an H200). Here the work is three phases of one launch separated by grid barriers
+(``longflash/ops/grid_sync.py``, ~1 µs each):
+
+0. router partial logits (each program a slice of the hidden dim for all experts: fp32 partials, summed
+   in a fixed order, so the logits do not depend on the grid) and the shared experts' gate/up rows;
+1. every program sums the partials and routes (``moe_router_triton.route_scores``: the engine's routing,
+   same keys and tie rule), then the chosen experts' gate/up rows, spread over the programs;
+2. every program owns hidden-dim output rows: ``y = Σ_s w_s · W2[e_s] · act(g_s) + W2_shared · act(g_sh)``,
+   ``act(g) = silu(gate) · up``, each expert's down product in fp32, one rounding at the end.
+Rounding points (as the engine's grouped path): the gate/up products and the gated activations are
+rounded to the weights' dtype; the routing is fp32.
+Grid: at most one program per SM (all must be resident for the barriers); ``PHASE`` = 0, 1 or 2 runs one
+phase per launch instead (no barriers), which is how Triton's CPU interpreter (one program at a time)
+checks the work split with several programs.
+Not yet timed on a GPU and not used by the engine: ``benchmarks/NOTES.md`` session 26 has the plan.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longflash.layers.moe import check_routing_args, topk_routing
+from longflash.layers.moe_router_triton import _IDX_BITS, route_scores
+from longflash.ops.grid_sync import grid_arrive, grid_reset_if_last, grid_wait
+from longflash.ops.triton_env import interpreting, sm_count
+
+ROUTER_SLICE = 16  # hidden dims per router partial
+BLOCK_K = 512  # hidden dims per step of the gate/up products
+
+
+@triton.jit
+def _silu_mul(g_ptr, I, I_P: tl.constexpr, OUT_DT: tl.constexpr):
+    """act(g) = silu(g[:I]) * g[I:2I] in fp32, rounded to OUT_DT: [I_P] (0 past I)."""
+    i = tl.arange(0, I_P)
+    gate = tl.load(g_ptr + i, mask=i < I, other=0.0).to(tl.float32)
+    up = tl.load(g_ptr + I + i, mask=i < I, other=0.0).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(OUT_DT).to(tl.float32)
+
+
+@triton.jit
+def _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, K_STEP: tl.constexpr):
+    k = k0 + tl.arange(0, K_STEP)
+    w = tl.load(w_ptr + r[:, None].to(tl.int64) * D + k[None, :], mask=(r < n_rows)[:, None] & (k < D)[None, :],
+                other=0.0)
+    x = tl.load(x_ptr + k, mask=k < D, other=0.0)
+    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _rows_times_x(w_ptr, row0, n_rows, x_ptr, D, K_STEP: tl.constexpr, INTERPRET: tl.constexpr):
+    """[8] fp32: rows row0 .. row0 + 7 (< n_rows) of a row-major [n_rows, D] weight times x [D]."""
+    r = row0 + tl.arange(0, 8)
+    acc = tl.zeros([8, K_STEP], tl.float32)
+    if INTERPRET:  # a loop bounded by a run-time argument fails in the interpreter; the same loop as a while
+        k0 = 0
+        while k0 < D:
+            acc = _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, K_STEP)
+            k0 += K_STEP
+    else:
+        for k0 in range(0, D, K_STEP):
+            acc = _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, K_STEP)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _route(part_ptr, n_slices, bias_ptr, scale, E_P: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+           NG_P: tl.constexpr, GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr):
+    """The token's routing from the router partials ``part`` [n_slices, E_P] (summed in slice order): (sel, w,
+    ids) of ``route_scores`` and the slot of each chosen expert (ascending id), each [NG_P * GS_P]."""
+    g = tl.arange(0, NG_P)[:, None]
+    j = tl.arange(0, GS_P)[None, :]
+    valid = (g < N_GROUP) & (j < GROUP_SIZE)
+    e = g * GROUP_SIZE + j
+    logits = tl.zeros([NG_P, GS_P], tl.float32)
+    s = 0
+    while s < n_slices:  # (a while loop: the interpreter cannot run a for loop over run-time bounds)
+        logits += tl.load(part_ptr + s * E_P + e, mask=valid, other=0.0)
+        s += 1
+    logits = tl.where(valid, logits, float("-inf"))
+    sel, w, ids = route_scores(logits, bias_ptr, scale, N_GROUP, GROUP_SIZE, NG_P, GS_P, TOP_K, TOPK_GROUP, HAS_BIAS,
+                               False, RENORM, INTERPRET, IDX_BITS)
+    a = sel.to(tl.int32)
+    return sel, w, ids, tl.cumsum(a, 0) - a
+
+
+@triton.jit
+def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_ptr, part_ptr, g_ptr, gs_ptr, y_ptr,
+                       bar_ptr, D, I, IS, n_slices, scale,
+                       E_P: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr,
+                       GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RENORM: tl.constexpr, HAS_SHARED: tl.constexpr, I_P: tl.constexpr, IS_P: tl.constexpr,
+                       RK: tl.constexpr, K_STEP: tl.constexpr, PHASE: tl.constexpr, INTERPRET: tl.constexpr,
+                       IDX_BITS: tl.constexpr):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    before = 0
+    if (PHASE == 0) | (PHASE == 3):
+        # router partial logits: slice s of the hidden dim, all experts (fp32 router weights)
+        # (grid-stride while loops: the interpreter cannot run a for loop over run-time bounds)
+        ex = tl.arange(0, E_P)
+        s = pid
+        while s < n_slices:
+            k = s * RK + tl.arange(0, RK)
+            w = tl.load(rw_ptr + ex[:, None] * D + k[None, :], mask=(ex < N_GROUP * GROUP_SIZE)[:, None] & (k < D)[None, :],
+                        other=0.0)
+            xv = tl.load(x_ptr + k, mask=k < D, other=0.0).to(tl.float32)
+            tl.store(part_ptr + s * E_P + ex, tl.sum(w.to(tl.float32) * xv[None, :], axis=1))
+            s += P
+        if HAS_SHARED:  # the shared experts' gate/up rows
+            b = pid
+            while b < tl.cdiv(2 * IS, 8):
+                r = b * 8 + tl.arange(0, 8)
+                tl.store(gs_ptr + r, _rows_times_x(sw13_ptr, b * 8, 2 * IS, x_ptr, D, K_STEP, INTERPRET).to(DT),
+                         mask=r < 2 * IS)
+                b += P
+        if PHASE == 3:
+            before = grid_arrive(bar_ptr)
+            grid_wait(bar_ptr, P)
+    if (PHASE == 1) | (PHASE == 2) | (PHASE == 3):
+        sel, wsel, ids, slot = _route(part_ptr, n_slices, bias_ptr, scale, E_P, N_GROUP, GROUP_SIZE, NG_P, GS_P, TOP_K,
+                                      TOPK_GROUP, HAS_BIAS, RENORM, INTERPRET, IDX_BITS)
+    if (PHASE == 1) | (PHASE == 3):
+        # the chosen experts' gate/up rows: TOP_K x 2I rows in blocks of 8, spread over the programs
+        blocks = tl.cdiv(2 * I, 8)
+        b = pid
+        while b < TOP_K * blocks:
+            sl = b // blocks
+            e = tl.sum(tl.where(sel & (slot == sl), ids, 0), axis=0).to(tl.int64)
+            r = (b % blocks) * 8 + tl.arange(0, 8)
+            v = _rows_times_x(w13_ptr + e * (2 * I) * D, (b % blocks) * 8, 2 * I, x_ptr, D, K_STEP, INTERPRET)
+            tl.store(g_ptr + sl * (2 * I) + r, v.to(DT), mask=r < 2 * I)
+            b += P
+        if PHASE == 3:
+            before = grid_arrive(bar_ptr)
+            grid_wait(bar_ptr, 2 * P)
+    if (PHASE == 2) | (PHASE == 3):
+        # output rows: the weighted down products of the chosen experts plus the shared experts'
+        i = tl.arange(0, I_P)
+        b = pid
+        while b < tl.cdiv(D, 8):
+            r = b * 8 + tl.arange(0, 8)
+            y = tl.zeros([8], tl.float32)
+            for sl in tl.static_range(TOP_K):
+                e = tl.sum(tl.where(sel & (slot == sl), ids, 0), axis=0).to(tl.int64)
+                we = tl.sum(tl.where(sel & (slot == sl), wsel, 0.0), axis=0)
+                h = _silu_mul(g_ptr + sl * (2 * I), I, I_P, DT)
+                w2 = tl.load(w2_ptr + e * D * I + r[:, None].to(tl.int64) * I + i[None, :],
+                             mask=(r < D)[:, None] & (i < I)[None, :], other=0.0)
+                y += we * tl.sum(w2.to(tl.float32) * h[None, :], axis=1)
+            if HAS_SHARED:
+                js = tl.arange(0, IS_P)
+                hs = _silu_mul(gs_ptr, IS, IS_P, DT)
+                sw2 = tl.load(sw2_ptr + r[:, None].to(tl.int64) * IS + js[None, :],
+                              mask=(r < D)[:, None] & (js < IS)[None, :], other=0.0)
+                y += tl.sum(sw2.to(tl.float32) * hs[None, :], axis=1)
+            tl.store(y_ptr + r, y.to(DT), mask=r < D)
+            b += P
+    if PHASE == 3:
+        before = grid_arrive(bar_ptr)
+        grid_reset_if_last(bar_ptr, before, 3 * P)
+
+
+def _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group):
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"x must be one token [1, D], got {list(x.shape)}")
+    D = x.shape[1]
+    E = router_w.shape[0]
+    if tuple(router_w.shape) != (E, D) or router_w.dtype != torch.float32:
+        raise ValueError(f"router weight must be fp32 [E, D={D}], got {router_w.dtype} {list(router_w.shape)}")
+    if w13.dim() != 3 or w13.shape[0] != E or w13.shape[2] != D or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E={E}, 2I, D={D}], got {list(w13.shape)}")
+    I = w13.shape[1] // 2
+    if tuple(w2.shape) != (E, D, I):
+        raise ValueError(f"w2 must be [E={E}, D={D}, I={I}], got {list(w2.shape)}")
+    if (shared_w13 is None) != (shared_w2 is None):
+        raise ValueError("shared_w13 and shared_w2 go together")
+    if shared_w13 is not None and (shared_w13.dim() != 2 or shared_w13.shape[1] != D or shared_w13.shape[0] % 2
+                                   or tuple(shared_w2.shape) != (D, shared_w13.shape[0] // 2)):
+        raise ValueError(f"shared weights must be [2Is, D={D}] and [D, Is], got {list(shared_w13.shape)} and "
+                         f"{list(shared_w2.shape)}")
+    dts = {x.dtype, w13.dtype, w2.dtype} | ({shared_w13.dtype, shared_w2.dtype} if shared_w13 is not None else set())
+    if len(dts) != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x and the expert weights must share one of bf16/fp16/fp32, got {sorted(map(str, dts))}")
+    check_routing_args(torch.empty(1, E), bias, top_k, n_group, topk_group, "sigmoid")
+
+
+def moe_decode_ref(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor | None, w13: torch.Tensor,
+                   w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
+                   n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                   routed_scaling_factor: float = 1.0) -> torch.Tensor:
+    """The MoE sub-layer for one token in PyTorch, with :func:`moe_decode_triton`'s rounding points.
+
+    Args:
+        x: [1, D] (bf16/fp16/fp32). router_w: [E, D] fp32. bias: [E] fp32 (``e_score_correction_bias``)
+            or None. w13: [E, 2I, D] (gate rows then up rows, ``moe_grouped.stack_expert_weights``), w2:
+            [E, D, I], x's dtype. shared_w13 / shared_w2: the shared experts' [2Is, D] / [D, Is] or None.
+        top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor: sigmoid noaux_tc routing
+            (:func:`longflash.layers.moe.topk_routing`).
+    Returns:
+        [1, D] in x's dtype: Σ_s w_s · W2[e_s] · act(W13[e_s] · x) + shared, act(g) = silu(g[:I]) · g[I:],
+        the gate/up products and activations rounded to x's dtype, the sums fp32, one final rounding.
+    Raises:
+        ValueError for shapes or dtypes that do not fit together (and as ``topk_routing``)."""
+    _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group)
+    dt = x.dtype
+    logits = x.float() @ router_w.t()
+    wts, ids = topk_routing(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+
+    def expert(g13, g2):
+        g = (x.float() @ g13.float().t()).to(dt).float()
+        i = g.shape[1] // 2
+        h = (torch.nn.functional.silu(g[:, :i]) * g[:, i:]).to(dt).float()
+        return h @ g2.float().t()
+    y = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+    for s in range(top_k):
+        y += wts[0, s] * expert(w13[ids[0, s]], w2[ids[0, s]])
+    if shared_w13 is not None:
+        y += expert(shared_w13, shared_w2)
+    return y.to(dt)
+
+
+def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor | None, w13: torch.Tensor,
+                      w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
+                      n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                      routed_scaling_factor: float = 1.0, *, programs: int | None = None,
+                      phased: bool | None = None) -> torch.Tensor:
+    """Triton version of :func:`moe_decode_ref` (same arguments and result within fp32 summation order).
+
+    ``programs``: the grid (default: the SM count on CUDA, 1 in the interpreter); ``phased``: three launches
+    (one per phase, no grid barrier) instead of one persistent launch; default: phased only in the
+    interpreter with more than one program. Raises ValueError as the reference, for a persistent launch with
+    more programs than SMs (the barriers need all of them resident) or more than one in the interpreter."""
+    _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group)
+    E, D = router_w.shape
+    I = w13.shape[1] // 2
+    interp = interpreting() or not x.is_cuda
+    limit = 1 if interp else sm_count(x.device)
+    P = programs if programs is not None else limit
+    phased = (P > 1 and interp) if phased is None else phased
+    if P < 1 or (not phased and P > limit):
+        raise ValueError(f"a persistent launch takes 1..{limit} programs here (all resident for the grid "
+                         f"barriers), got {P}; pass phased=True for one launch per phase")
+    dev = x.device
+    n_slices = triton.cdiv(D, ROUTER_SLICE)
+    E_P = triton.next_power_of_2(E)
+    IS = shared_w13.shape[0] // 2 if shared_w13 is not None else 1
+    part = torch.empty(n_slices, E_P, dtype=torch.float32, device=dev)
+    g = torch.empty(top_k, 2 * I, dtype=x.dtype, device=dev)
+    gs = torch.empty(2 * IS, dtype=x.dtype, device=dev)
+    y = torch.empty(1, D, dtype=x.dtype, device=dev)
+    bar = torch.zeros(1, dtype=torch.int32, device=dev)
+    gsz = E // n_group
+    args = (x, router_w.contiguous(), bias if bias is not None else router_w, w13.contiguous(), w2.contiguous(),
+            shared_w13.contiguous() if shared_w13 is not None else w13, shared_w2.contiguous() if shared_w2 is not None
+            else w2, part, g, gs, y, bar, D, I, IS, n_slices, float(routed_scaling_factor))
+    meta = dict(E_P=E_P, N_GROUP=n_group, GROUP_SIZE=gsz, NG_P=triton.next_power_of_2(n_group),
+                GS_P=triton.next_power_of_2(gsz), TOP_K=top_k, TOPK_GROUP=topk_group, HAS_BIAS=bias is not None,
+                RENORM=bool(norm_topk_prob), HAS_SHARED=shared_w13 is not None, I_P=triton.next_power_of_2(I),
+                IS_P=triton.next_power_of_2(IS), RK=ROUTER_SLICE, K_STEP=min(BLOCK_K, triton.next_power_of_2(D)),
+                INTERPRET=interp, IDX_BITS=_IDX_BITS, num_warps=4)
+    for phase in ((0, 1, 2) if phased else (3,)):
+        _moe_decode_kernel[(P,)](*args, PHASE=phase, **meta)
+    return y

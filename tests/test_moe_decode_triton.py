@@ -1,0 +1,133 @@
+"""The one-launch MoE sub-layer for one token (``layers/moe_decode_triton.py``) equals its reference
+``moe_decode_ref``, and the reference equals the engine's ``MoE`` layer (router, noaux_tc routing, routed and
+shared SiLU experts):
+
+- CPU: the reference against ``MoE.forward`` (fp32, groups, bias, shared experts); the Triton kernel under
+  ``TRITON_INTERPRET=1`` (a subprocess: set before Triton is imported) in fp32 and fp16, as one persistent
+  launch of one program (its grid barriers) and as three phase launches of 1, 3 and 7 programs (the work
+  split), with odd sizes (D 70, I 12), without shared experts, without bias, one group, top_k = E; refused
+  inputs name the problem;
+- GPU (skipped without CUDA): bf16 at the DeepSeek-V3-shaped benchmark model's shapes (D 2048, 64 experts
+  top-6 in 8 groups, I 256, two shared experts), one persistent launch on every SM.
+Bound: |y − ref| ≤ 2e-2 · max |ref| (fp32 sums in another order, then one rounding; the routing is the
+reference's unless two choice scores tie, which random inputs avoid).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from longflash.layers.moe_decode_triton import moe_decode_ref
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _case(D=64, E=8, I=16, IS=24, dt=torch.float32, device="cpu", seed=0, bias=True, shared=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale)
+    x = r(1, D).to(device=device, dtype=dt)
+    rw = r(E, D, scale=0.2).to(device)
+    b = r(E, scale=0.1).to(device) if bias else None
+    w13 = r(E, 2 * I, D, scale=D ** -0.5).to(device=device, dtype=dt)
+    w2 = r(E, D, I, scale=I ** -0.5).to(device=device, dtype=dt)
+    s13 = r(2 * IS, D, scale=D ** -0.5).to(device=device, dtype=dt) if shared else None
+    s2 = r(D, IS, scale=IS ** -0.5).to(device=device, dtype=dt) if shared else None
+    return x, rw, b, w13, w2, s13, s2
+
+
+# (case kwargs, routing: top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+CASES = {"groups bias shared": (dict(), (2, 2, 1, True, 2.5)),
+         "odd sizes": (dict(D=70, I=12, IS=20), (3, 4, 2, True, 1.0)),
+         "no shared no bias": (dict(bias=False, shared=False), (2, 1, 1, False, 1.0)),
+         "top_k = E": (dict(E=4), (4, 1, 1, True, 1.0))}
+
+
+def _err(y, ref) -> float:
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def _interpreter_check() -> dict:
+    from longflash.layers.moe_decode_triton import moe_decode_triton
+    out = {}
+    for name, (kw, route) in CASES.items():
+        for dt in (torch.float32, torch.float16):
+            args = _case(dt=dt, **kw)
+            ref = moe_decode_ref(*args, *route)
+            for P, phased in ((1, False), (1, True), (3, True), (7, True)):
+                y = moe_decode_triton(*args, *route, programs=P, phased=phased)
+                out[f"{name} {dt} P{P}{' phased' if phased else ''}"] = _err(y, ref)
+    return out
+
+
+def test_kernel_equals_reference_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(got) == len(CASES) * 2 * 4
+    bad = {k: v for k, v in got.items() if not v <= 2e-2}
+    assert not bad, bad
+
+
+def test_reference_equals_the_moe_layer():
+    """moe_decode_ref on the stacked weights of an ``MoE`` layer (fp32, 8 experts in 2 groups, top-2, a shared
+    expert pair) gives the layer's forward for one token."""
+    from longflash.layers.activation import silu_and_mul
+    from longflash.layers.moe import MoE, TopkRouter
+    from longflash.layers.moe_grouped import stack_expert_weights
+    torch.manual_seed(0)
+    D, E, I = 48, 8, 16
+    router = TopkRouter(D, E, 2, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)
+    moe = MoE(D, E, I, router, silu_and_mul, num_shared_experts=2)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(1, D)
+    want = moe(x)
+    w13, w2 = stack_expert_weights(moe.experts)
+    sh = moe.shared_experts
+    s13 = torch.cat([sh.gate_proj.weight, sh.up_proj.weight])
+    got = moe_decode_ref(x, router.weight.float(), router.e_score_correction_bias, w13, w2, s13, sh.down_proj.weight,
+                         2, 2, 1, True, 2.5)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
+def test_refused_inputs_name_the_problem():
+    from longflash.layers.moe_decode_triton import moe_decode_triton
+    x, rw, b, w13, w2, s13, s2 = _case()
+    route = (2, 2, 1)
+    for args, msg in (((x.expand(2, -1), rw, b, w13, w2, s13, s2), "one token"),
+                      ((x, rw.half(), b, w13, w2, s13, s2), "router weight"),
+                      ((x, rw, b, w13[:, :-1], w2, s13, s2), "w13"),
+                      ((x, rw, b, w13, w2[:, :, :-1], s13, s2), "w2"),
+                      ((x, rw, b, w13, w2, s13, None), "shared"),
+                      ((x.half(), rw, b, w13, w2, s13, s2), "must share one of")):
+        with pytest.raises(ValueError, match=msg):
+            moe_decode_ref(*args, *route)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_decode_ref(x, rw, b, w13, w2, s13, s2, 9)
+    with pytest.raises(ValueError, match="persistent launch"):
+        moe_decode_triton(x, rw, b, w13, w2, s13, s2, *route, programs=3, phased=False)  # CPU: one program
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_benchmark_model_shapes():
+    from longflash.layers.moe_decode_triton import moe_decode_triton
+    args = _case(D=2048, E=64, I=256, IS=512, dt=torch.bfloat16, device="cuda")
+    route = (6, 8, 4, True, 2.5)
+    ref = moe_decode_ref(*args, *route)
+    for phased in (False, True):
+        y = moe_decode_triton(*args, *route, phased=phased)
+        assert _err(y, ref) <= 2e-2
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreter_check()))

@@ -97,7 +97,8 @@ def main() -> int:
              "| variant | µs per call | launches | fraction of copy | rel err vs reference |", "|---|---|---|---|---|"]
     for r in res["rows"]:
         frac = "" if r["copy_fraction"] is None else f"{r['copy_fraction']:.3f}"
-        lines.append(f"| {r['variant']} | {r['us']:.1f} | {r['launches']} | {frac} | {r['rel_err']:.1e} |")
+        launches = "" if r["launches"] is None else r["launches"]
+        lines.append(f"| {r['variant']} | {r['us']:.1f} | {launches} | {frac} | {r['rel_err']:.1e} |")
     with open(os.path.join(args.out, "moe_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0 if res["ok"] else 1

@@ -3,22 +3,26 @@ routing, the chosen routed experts and the shared experts, SiLU gating, weighted
 :func:`moe_decode_ref` (same arguments; the tests compare them).
 
 Why: at batch 1 a decode step is bound by dependent launches, ~0.7-1.5 µs each (``benchmarks/NOTES.md``,
-sessions 22-26), and the MoE sub-layer is ~9 of them (router GEMM, routing, alignment, two grouped GEMMs,
-two activations, the shared experts' two GEMVs, the combine) for ~25 MB of weights (~6 µs at copy rate
-on an H200). Here the work is three phases of one launch separated by grid barriers
-(``longflash/ops/grid_sync.py``, ~1 µs each):
+sessions 22-26), and the engine's MoE sub-layer is ~10 of them (fp32 router GEMM, routing, alignment, two
+grouped GEMMs, two activations, the shared experts' gate/up and down GEMVs, combine); at the benchmark
+model's shapes (hidden 2048, 64 experts top-6, I 256, two shared experts) one token reads ~24.5 MB of
+weights, ~6 µs at the H200's copy rate. Here the work is three phases of one launch separated by grid
+barriers (``longflash/ops/grid_sync.py``, ~1 µs each):
 
 0. router partial logits (each program a slice of the hidden dim for all experts: fp32 partials, summed
    in a fixed order, so the logits do not depend on the grid) and the shared experts' gate/up rows;
-1. every program sums the partials and routes (``moe_router_triton.route_scores``: the engine's routing,
-   same keys and tie rule), then the chosen experts' gate/up rows, spread over the programs;
-2. every program owns hidden-dim output rows: ``y = Σ_s w_s · W2[e_s] · act(g_s) + W2_shared · act(g_sh)``,
-   ``act(g) = silu(gate) · up``, each expert's down product in fp32, one rounding at the end.
-Rounding points (as the engine's grouped path): the gate/up products and the gated activations are
-rounded to the weights' dtype; the routing is fp32.
-Grid: at most one program per SM (all must be resident for the barriers); ``PHASE`` = 0, 1 or 2 runs one
-phase per launch instead (no barriers), which is how Triton's CPU interpreter (one program at a time)
-checks the work split with several programs.
+1. every program sums the partials and routes (``moe_router_triton.route_scores``: the routing kernel's
+   code, same keys and tie rule), then the chosen experts' gate/up rows, spread over the programs;
+2. every program owns 8-row blocks of the output: ``y = Σ_s w_s · W2[e_s] · act(g_s) + W2_sh · act(g_sh)``,
+   ``act(g) = silu(gate) · up``, each down product in fp32, one rounding at the end.
+Rounding points: the gate/up products and the gated activations are rounded to the weights' dtype, the rest
+is fp32 with one final rounding (the engine's grouped path also rounds each expert's down product and the
+shared output, so in 16-bit dtypes the two differ by a few ulps). The router logits are summed in another
+order than the engine's GEMM, so a near-tie of two experts' choice scores can route differently.
+Grid: at most one program per SM, and all of them must be resident at once for the barriers (the launch is
+not cooperative: a concurrent kernel holding SMs, e.g. NCCL on another stream or an MPS SM limit, could
+keep one waiting and hang the launch). ``phased`` runs each phase as its own launch instead (no barriers),
+which is how Triton's CPU interpreter (one program at a time) checks the work split with several programs.
 Not yet timed on a GPU and not used by the engine: ``benchmarks/NOTES.md`` session 26 has the plan.
 """
 
@@ -34,6 +38,15 @@ from longflash.ops.grid_sync import grid_arrive, grid_reset_if_last, grid_wait
 from longflash.ops.triton_env import interpreting, sm_count
 
 ROUTER_SLICE = 16  # hidden dims per router partial
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _barrier_counter(device: torch.device) -> torch.Tensor:
+    """The grid barrier's int32 counter on ``device``, made (zeroed) once: each persistent launch leaves it at
+    0 (``grid_reset_if_last``), so reusing it costs no memset launch. Launches on one stream only."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 BLOCK_K = 512  # hidden dims per step of the gate/up products
 
 
@@ -172,6 +185,8 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
 
 
 def _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group):
+    if router_w.dim() != 2:
+        raise ValueError(f"router weight must be fp32 [E, D], got shape {list(router_w.shape)}")
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"x must be one token [1, D], got {list(x.shape)}")
     D = x.shape[1]
@@ -192,7 +207,12 @@ def _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, to
     dts = {x.dtype, w13.dtype, w2.dtype} | ({shared_w13.dtype, shared_w2.dtype} if shared_w13 is not None else set())
     if len(dts) != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x and the expert weights must share one of bf16/fp16/fp32, got {sorted(map(str, dts))}")
+    if bias is not None and not bias.is_floating_point():
+        raise ValueError(f"e_score_correction_bias must be floating point, got {bias.dtype}")
     check_routing_args(torch.empty(1, E), bias, top_k, n_group, topk_group, "sigmoid")
+    if top_k > topk_group * (E // n_group):  # the reference would choose among masked (-inf) experts
+        raise ValueError(f"top_k ({top_k}) exceeds the experts of the kept groups (topk_group {topk_group} x "
+                         f"{E // n_group} experts per group)")
 
 
 def moe_decode_ref(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor | None, w13: torch.Tensor,
@@ -235,23 +255,32 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
                       n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                       routed_scaling_factor: float = 1.0, *, programs: int | None = None,
                       phased: bool | None = None) -> torch.Tensor:
-    """Triton version of :func:`moe_decode_ref` (same arguments and result within fp32 summation order).
+    """Triton version of :func:`moe_decode_ref`: same arguments (any strides; x and the bias are made
+    contiguous, the bias fp32) and result within the sums' order (fp32; in 16-bit dtypes an intermediate
+    rounding may differ by an ulp).
 
     ``programs``: the grid (default: the SM count on CUDA, 1 in the interpreter); ``phased``: three launches
     (one per phase, no grid barrier) instead of one persistent launch; default: phased only in the
-    interpreter with more than one program. Raises ValueError as the reference, for a persistent launch with
-    more programs than SMs (the barriers need all of them resident) or more than one in the interpreter."""
+    interpreter with more than one program. The persistent launch is one kernel (its barrier counter is
+    kept per device and left at 0). Raises ValueError as the reference, for programs < 1, and for a
+    persistent launch with more programs than SMs (the barriers need all of them resident) or more than one
+    in the interpreter."""
     _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group)
     E, D = router_w.shape
     I = w13.shape[1] // 2
     interp = interpreting() or not x.is_cuda
     limit = 1 if interp else sm_count(x.device)
     P = programs if programs is not None else limit
+    if P < 1:
+        raise ValueError(f"programs must be >= 1, got {P}")
     phased = (P > 1 and interp) if phased is None else phased
-    if P < 1 or (not phased and P > limit):
+    if not phased and P > limit:
         raise ValueError(f"a persistent launch takes 1..{limit} programs here (all resident for the grid "
                          f"barriers), got {P}; pass phased=True for one launch per phase")
     dev = x.device
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(device=dev, dtype=torch.float32).contiguous()
     n_slices = triton.cdiv(D, ROUTER_SLICE)
     E_P = triton.next_power_of_2(E)
     IS = shared_w13.shape[0] // 2 if shared_w13 is not None else 1
@@ -259,7 +288,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     g = torch.empty(top_k, 2 * I, dtype=x.dtype, device=dev)
     gs = torch.empty(2 * IS, dtype=x.dtype, device=dev)
     y = torch.empty(1, D, dtype=x.dtype, device=dev)
-    bar = torch.zeros(1, dtype=torch.int32, device=dev)
+    bar = _barrier_counter(dev)
     gsz = E // n_group
     args = (x, router_w.contiguous(), bias if bias is not None else router_w, w13.contiguous(), w2.contiguous(),
             shared_w13.contiguous() if shared_w13 is not None else w13, shared_w2.contiguous() if shared_w2 is not None

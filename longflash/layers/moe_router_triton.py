@@ -67,9 +67,11 @@ def _unordered(o):
 def route_scores(x, bias_ptr, scale, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr,
                  GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SOFTMAX: tl.constexpr, RENORM: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr):
-    """Steps 1-3 of the module docstring for one token: ``x`` [NG_P, GS_P] fp32 router logits laid out
-    [group, expert in group] (-inf padding). Returns (sel, w, ids), each [NG_P * GS_P]: whether the expert is
-    chosen, its weight (0 where not chosen; renormalised when RENORM, times ``scale``) and its id."""
+    """Steps 1-4 of the module docstring for one token, before the slots are ordered: ``x`` [NG_P, GS_P] fp32
+    router logits laid out [group, expert in group] (-inf padding); ``bias_ptr`` the [E] fp32 choice bias
+    (read when HAS_BIAS); ``scale`` routed_scaling_factor. Returns (sel, w, ids), each [NG_P * GS_P]: whether
+    the expert is chosen, its weight (0 where not chosen; renormalised when RENORM, times ``scale``) and its
+    id. Shared by the routing kernel and the one-token MoE kernel (``moe_decode_triton``)."""
     g = tl.arange(0, NG_P)[:, None]
     j = tl.arange(0, GS_P)[None, :]
     valid = (g < N_GROUP) & (j < GROUP_SIZE)

@@ -17,17 +17,12 @@ rounding), 2e-2 in bf16; the routing is the reference's unless two choice scores
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from interpreter_run import interpreter_report
 from longflash.layers.moe_decode_triton import moe_decode_ref
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _case(D=64, E=8, I=16, IS=24, dt=torch.float32, device="cpu", seed=0, bias=True, shared=True):
     g = torch.Generator().manual_seed(seed)
@@ -80,12 +75,7 @@ BOUND = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 
 def test_kernel_equals_reference_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = interpreter_report(__file__)
     assert len(got) == len(CASES) * 2 * 4 + 1
     bad = {k: v for k, (v, bound) in got.items() if not v <= bound}
     assert not bad, bad

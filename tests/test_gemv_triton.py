@@ -13,15 +13,19 @@ fp32 -> bf16 cast truncates.)
 """
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_run import interpreter_report
 
 from longflash.layers import gemv
 from longflash.layers.gemv import gemv_ref
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _cases(device="cpu", dtypes=(torch.float32, torch.float16)):
     """(key, x, w, out or None) at awkward shapes."""
@@ -103,7 +107,12 @@ def _check(res: dict) -> None:
 
 
 def test_gemv_triton_equals_reference_interpreter():
-    got = interpreter_report(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(got["cases"]) == len(list(_cases()))
     _check(got["cases"])
     assert got["tiles"] and all(e <= 1.0 for e in got["tiles"].values()), got["tiles"]

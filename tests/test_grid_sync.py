@@ -8,9 +8,7 @@ plus the program id + 1), so one stale read shows as a wrong value; the counter 
   ``benchmarks/persistent_chain.py`` equal to step-by-step PyTorch.
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from interpreter_run import run_interpreted
 from longflash.ops.grid_sync import grid_arrive, grid_reset_if_last, grid_wait
 from longflash.ops.triton_env import interpreting, sm_count
 
@@ -66,14 +65,8 @@ def _run_chain(programs: int, phases: int, device: str) -> dict:
 
 
 def test_grid_barrier_chain_interpreter():
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_grid_sync as t; "
-            "print(json.dumps(t._run_chain(1, 5, 'cpu')))")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__))], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_interpreted("import json, sys; sys.path.insert(0, 'tests'); import test_grid_sync as t; "
+                          "print('RESULT' + json.dumps(t._run_chain(1, 5, 'cpu')))")
     assert got == {"equal": True, "counters": [0, 0, 0]}, got
 
 

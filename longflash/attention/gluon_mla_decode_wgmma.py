@@ -25,7 +25,7 @@ contracted a quarter of the latent dims) and its barrier. Here both products are
 Shared memory: 94,464 bytes at 2 stages (two programs per SM), 131,328 at 3 (one). sm_90 compile: 987
 loop instructions per warp per 64-row tile (the ``mma.sync`` kernel: 1,135), 255 registers, no spills.
 Measured on an H200 (``benchmarks/NOTES.md``, session 26): equal to the reference as the ``mma.sync`` kernel
-is, 1.00-1.06x its speed (0.86 of the copy bandwidth at batch 64 x 128K). A candidate (config key
+is, 0.99-1.06x its speed (0.86 of the copy bandwidth at batch 64 x 128K). A candidate (config key
 ``WGMMA`` with ``GLUON``, passed as ``config=`` to :func:`triton_mla_decode.mla_decode_attention`; the
 engine runs the default), not yet the default: its DCP and engine GPU tests have not run.
 Gluon kernels run only on the GPU; the CPU suite compiles this one for sm_90 and the GPU tests compare it

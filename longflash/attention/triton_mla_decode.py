@@ -339,7 +339,12 @@ def gluon_eligible(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, q
         return False
     if interpreting() or kv_lora_rank != 512 or q.shape[-1] != 576 or query_rows > 16:
         return False
-    return _gluon_runs_on(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return _gluon_runs_on(_cuda_index(q.device))
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (the current device for plain ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,7 +378,10 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     num_warps not a power of two in 1..16, num_stages not an int >= 1, and a Gluon tile the kernel does not
     support (BLOCK_N not 32/64, num_stages < 2, num_warps not 4 or 8 (8 only with BLOCK_N 64), BLOCK_M not
     16), each naming the key. A Gluon tile of 8 warps without ``maxnreg`` gets occupancy 1 unless ``config``
-    sets it."""
+    sets it. ``WGMMA`` (a bool, else ValueError) asks for the sm_90 wgmma stage 1: it needs BLOCK_N 64, 4
+    warps and no ``maxnreg`` (ValueError naming the key otherwise), stays set only on a compute capability
+    9.0 device (elsewhere the mma.sync Gluon kernel runs), takes occupancy 1 at more than 2 stages unless
+    ``config`` sets it, and is dropped when the Triton kernel runs."""
     fp8 = kv_cache.dtype == FP8_DTYPE
     H = q.shape[1]
     rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
@@ -409,7 +417,7 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
                if cfg.get(k) != v]
         if bad:
             raise ValueError("the Gluon wgmma decode tile: " + "; ".join(bad))
-        cfg["WGMMA"] = _wgmma_runs_on(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        cfg["WGMMA"] = _wgmma_runs_on(_cuda_index(q.device))
         if cfg["WGMMA"] and "occupancy" not in user:
             cfg["occupancy"] = 2 if cfg["num_stages"] == 2 else 1  # 94 KB of shared memory at 2 stages, 131 KB at 3
     if cfg["num_warps"] == 8 and not cfg.get("maxnreg") and "occupancy" not in user:

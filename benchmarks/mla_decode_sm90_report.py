@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from longflash.attention import gluon_mla_decode  # noqa: E402
+from longflash.attention import gluon_mla_decode, gluon_mla_decode_wgmma  # noqa: E402
 from longflash.attention import triton_mla_decode as m  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -128,7 +128,9 @@ def main() -> None:
             for i, cfg in enumerate(m.candidate_configs(q_rows, dt)):
                 r = dict(cache="fp8" if fp8 else "bf16", q_rows=q_rows, default=i == 0, **cfg)
                 try:
-                    if cfg.get("GLUON"):  # the Gluon fp8 stage 1 (attention/gluon_mla_decode.py)
+                    if cfg.get("GLUON") and cfg.get("WGMMA"):  # the sm_90 wgmma stage 1 (gluon_mla_decode_wgmma.py)
+                        r.update(report(gluon_mla_decode_wgmma.compile_stage1(TARGET, stages=cfg["num_stages"])))
+                    elif cfg.get("GLUON"):  # the mma.sync Gluon fp8 stage 1 (attention/gluon_mla_decode.py)
                         r.update(report(gluon_mla_decode.compile_stage1(
                             TARGET, block_n=cfg["BLOCK_N"], stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
                             warps=cfg["num_warps"])))

@@ -100,7 +100,14 @@ def test_resolve_config(monkeypatch):
     assert tk.resolve_config(q, cache, 512, 1) == (dict(tk.TRITON_FP8_CONFIG), False)  # CPU: not eligible
     assert tk.resolve_config(q, cache, 512, 1, {"BLOCK_N": 64}) == (dict(tk.TRITON_FP8_CONFIG, BLOCK_N=64), False)
     monkeypatch.setattr(tk, "gluon_eligible", lambda *a: True)
-    assert tk.resolve_config(q, cache, 512, 1) == (dict(tk.GLUON_FP8_CONFIG), True)
+    monkeypatch.setattr(tk, "_cuda_index", lambda device: 0)
+    monkeypatch.setattr(tk, "_wgmma_runs_on", lambda idx: True)
+    assert tk.resolve_config(q, cache, 512, 1) == (dict(tk.GLUON_FP8_CONFIG), True)  # sm_90: the wgmma kernel
+    # the default's WGMMA under a tile wgmma cannot take, or off sm_90: the mma.sync kernel, no error
+    assert tk.resolve_config(q, cache, 512, 1, {"BLOCK_N": 32})[0]["WGMMA"] is False
+    assert tk.resolve_config(q, cache, 512, 1, {"num_warps": 8, "maxnreg": 128})[0]["WGMMA"] is False
+    monkeypatch.setattr(tk, "_wgmma_runs_on", lambda idx: False)
+    assert tk.resolve_config(q, cache, 512, 1) == (dict(tk.GLUON_FP8_CONFIG, WGMMA=False), True)
     assert tk.resolve_config(q, cache, 512, 1, {"GLUON": False}) == (dict(tk.TRITON_FP8_CONFIG), False)
     assert tk.resolve_config(q, cache, 512, 1, {"BLOCK_N": 32})[0]["BLOCK_N"] == 32
     assert tk.resolve_config(q, cache, 512, 1, {"num_warps": 8})[0]["num_warps"] == 8
@@ -162,8 +169,9 @@ def test_gpu_matches_reference(H, seq, ql, bs, qdt):
     q[0, 0] *= 1e4  # fp16 overflow without the per-row power-of-two scale
     assert tk.gluon_eligible(q, cache, 512, max(ql) * H)
     ro, rl = ops.mla_decode_attention(q.float(), cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05)
+    mma = dict(tk.GLUON_FP8_CONFIG, WGMMA=False)  # this file's kernel (on sm_90 the default is the wgmma one)
     for S in (None, 1, 7):
-        out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05, num_splits=S)
+        out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05, num_splits=S, config=mma)
         _check(out, lse, ro, rl)
     # the Triton fp16-dot tile: the same arithmetic in another order
     o2, l2 = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05, config=tk.TRITON_FP8_CONFIG)

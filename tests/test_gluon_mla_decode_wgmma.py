@@ -107,7 +107,9 @@ def test_resolve_config(monkeypatch):
     monkeypatch.setattr(tk, "gluon_eligible", lambda *a: False)  # where Gluon cannot run the key is dropped
     cfg, use = tk.resolve_config(q, cache, 512, 1, {"WGMMA": True})
     assert not use and "WGMMA" not in cfg
-    assert any(c.get("WGMMA") for c in tk.candidate_configs(16, FP8_DTYPE))
+    cands = tk.candidate_configs(16, FP8_DTYPE)
+    assert cands[0].get("WGMMA") and sum(bool(c.get("WGMMA")) for c in cands) == 1  # the default, once
+    assert any(c.get("GLUON") and c.get("WGMMA") is False for c in cands)  # the mma.sync kernel, measured against it
 
 
 @cuda90
@@ -123,7 +125,8 @@ def test_gpu_matches_reference(H, seq, ql, bs, qdt):
     for S in (None, 1, 7):
         out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05, num_splits=S, config=cfg)
         _check(out, lse, ro, rl)
-    o2, _ = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05)  # the mma.sync kernel
+    o2, _ = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05,
+                                    config=dict(cfg, WGMMA=False))  # the mma.sync kernel
     assert ((out.float() - o2.float()).norm() / o2.float().norm()).item() <= 2e-3
 
 

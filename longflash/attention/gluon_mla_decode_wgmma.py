@@ -24,10 +24,10 @@ contracted a quarter of the latent dims) and its barrier. Here both products are
   a bit permutation of the latent dims (:func:`latent_dim_of_value_row`), undone when the output is stored.
 Shared memory: 94,464 bytes at 2 stages (two programs per SM), 131,328 at 3 (one). sm_90 compile: 987
 loop instructions per warp per 64-row tile (the ``mma.sync`` kernel: 1,135), 255 registers, no spills.
-Measured on an H200 (``benchmarks/NOTES.md``, session 26): equal to the reference as the ``mma.sync`` kernel
-is, 0.99-1.06x its speed (0.86 of the copy bandwidth at batch 64 x 128K). A candidate (config key
-``WGMMA`` with ``GLUON``, passed as ``config=`` to :func:`triton_mla_decode.mla_decode_attention`; the
-engine runs the default), not yet the default: its DCP and engine GPU tests have not run.
+Measured on an H200 (``benchmarks/NOTES.md``, sessions 26-27): equal to the reference as the ``mma.sync``
+kernel is, 0.99-1.08x its speed (0.85-0.86 of the copy bandwidth at batch 64 x 128K, the mma.sync kernel
+0.78-0.82). The sm_90 default since session 27 (``WGMMA`` in ``triton_mla_decode.GLUON_FP8_CONFIG``; other
+GPUs run the mma.sync kernel), after its reference, DCP-local and engine CUDA-graph GPU tests passed.
 Gluon kernels run only on the GPU; the CPU suite compiles this one for sm_90 and the GPU tests compare it
 with the reference.
 """

@@ -322,11 +322,11 @@ def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stri
 
 
 # fp8 cache, <= 16 query rows, on a GPU that runs it: the Gluon stage 1 (``gluon_mla_decode``; BLOCK_N cache
-# rows per step, num_stages cp.async buffers, 4 warps). Where it cannot run (CPU interpreter, widths other
+# rows per step, num_stages cp.async buffers, 4 warps; on sm_90 its wgmma form, ``gluon_mla_decode_wgmma``). Where it cannot run (CPU interpreter, widths other
 # than 512 + 64, no sm_89+) the Triton tile below takes its place (``resolve_config``); fp32 queries take
 # the 16-row bf16 tile.
 GLUON_FP8_CONFIG = {"GLUON": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False,
-                    "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2}
+                    "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2, "WGMMA": True}
 TRITON_FP8_CONFIG = {"GLUON": False, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
                      "F16": True, "PREFETCH": False, "occupancy": 2}
 
@@ -415,9 +415,11 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     if cfg.get("WGMMA", False):  # the sm_90 wgmma variant: 64 rows, one warpgroup; elsewhere the mma.sync kernel
         bad = [f"{k} {cfg.get(k)} (must be {v})" for k, v in (("BLOCK_N", 64), ("num_warps", 4), ("maxnreg", None))
                if cfg.get(k) != v]
+        if bad and "WGMMA" not in user:  # the default's WGMMA under a caller's other tile: the mma.sync kernel
+            cfg["WGMMA"], bad = False, []
         if bad:
             raise ValueError("the Gluon wgmma decode tile: " + "; ".join(bad))
-        cfg["WGMMA"] = _wgmma_runs_on(_cuda_index(q.device))
+        cfg["WGMMA"] = cfg["WGMMA"] and _wgmma_runs_on(_cuda_index(q.device))
         if cfg["WGMMA"] and "occupancy" not in user:
             cfg["occupancy"] = 2 if cfg["num_stages"] == 2 else 1  # 94 KB of shared memory at 2 stages, 131 KB at 3
     if cfg["num_warps"] == 8 and not cfg.get("maxnreg") and "occupancy" not in user:
@@ -444,7 +446,9 @@ def default_config(max_query_rows: int, cache_dtype: torch.dtype, width: int = 5
     that Triton tile, see :func:`resolve_config`), WGMMA (with GLUON: the sm_90 ``wgmma`` stage 1 of
     ``gluon_mla_decode_wgmma``, BLOCK_N 64, 4 warps; on other GPUs the ``mma.sync`` Gluon kernel runs).
     Session 23 (commit c7e5ac0, ``benchmarks/results/mla_decode_gluon.h200.md``): fp8 <= 16 rows Gluon N64 s2
-    (0.60 of copy at B16/32K, 0.77-0.79 at B16-64 x 128K), replacing the Triton fp8 tile (TRITON_FP8_CONFIG).
+    (0.60 of copy at B16/32K, 0.77-0.79 at B16-64 x 128K), replacing the Triton fp8 tile (TRITON_FP8_CONFIG);
+    session 27 (``results/mla_decode_wgmma_default_ab.h200.md``): on sm_90 its wgmma form (WGMMA), 0.848 of
+    copy at B64 x 128K against 0.784 for the mma.sync form in the same run, equal at 32K and at B16.
     The fastest configs of the second H200 run (commit 7143052, ``benchmarks/results/mla_decode.h200.md``,
     sweep at B = 16, 32K, ``chosen``): <= 16 rows bf16 M16 N64 w4 s2 (0.84 of copy bandwidth there, 0.95-1.00
     at B 16/64 x 128K; the third and fourth runs, f5c1d69 and 8d8d43d, measured M16 N32 w4 s3 faster at
@@ -498,11 +502,13 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype, width: int 
         # 8 bytes: not a candidate)
         # 8 warps (session 25): each warp half the score columns and half the value columns, 600 loop instructions
         # per warp per 64 rows against 1135; two programs per SM need a 128-register cap (72 bytes of spills)
-        w8 = [dict(g, num_warps=8, maxnreg=128), dict(g, num_warps=8, occupancy=1),
-              dict(g, num_warps=8, num_stages=4, occupancy=1)]
-        # session 26: the sm_90 wgmma variant (gluon_mla_decode_wgmma; the mma.sync kernel on other GPUs)
-        cands = [dict(g, WGMMA=True), *w8, dict(g, num_stages=3, occupancy=1), dict(g, BLOCK_N=32, num_stages=2),
-                 dict(g, BLOCK_N=32, num_stages=4), tr, pre, cvt]
+        # session 27: the default is the sm_90 wgmma stage 1 (gluon_mla_decode_wgmma); the rest are the mma.sync
+        # Gluon kernel (session 23's default, WGMMA=False) and its variants
+        m = dict(g, WGMMA=False)
+        w8 = [dict(m, num_warps=8, maxnreg=128), dict(m, num_warps=8, occupancy=1),
+              dict(m, num_warps=8, num_stages=4, occupancy=1)]
+        cands = [m, *w8, dict(m, num_stages=3, occupancy=1), dict(m, BLOCK_N=32, num_stages=2),
+                 dict(m, BLOCK_N=32, num_stages=4), tr, pre, cvt]
     elif max_query_rows <= 32:
         base = dict(d, BLOCK_N=32, num_warps=4, num_stages=3, V_RELOAD=fp8, TRANS=False, F16=False,
                     PREFETCH=False, occupancy=2)  # run 2's default

@@ -59,7 +59,8 @@ TINY = dict(FULL, vocab_size=256, hidden_size=64, intermediate_size=128, moe_int
 T0 = time.perf_counter()
 # --baselines: name -> (module, switch) set to False for that run (issue 10's "report ratios against a
 # baseline measured in the same run")
-BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL")}
+BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL"),
+             "moe-launches": ("longflash.layers.moe", "ONE_TOKEN_KERNEL")}
 
 
 def model_config(dev: torch.device, max_len: int) -> tuple[dict, torch.dtype]:

@@ -42,3 +42,29 @@ def kernel_count(fn) -> int | None:
     except Exception as e:  # noqa: BLE001
         print(f"launch count failed: {type(e).__name__}: {e}", file=sys.stderr)
         return None
+
+
+def kernel_times(fn, calls: int = 24) -> list[tuple[str, float]] | None:
+    """Device time per call of each GPU kernel ``fn`` launches, in µs: ``fn(i)`` for i in 0..calls-1
+    (eager, under the torch profiler; pass a ring of inputs so weights come from HBM as in a real step),
+    each kernel's summed time / ``calls``, in launch order of the first call (names cut at 60 characters).
+    Profiled kernels run without the launch gaps a dependency adds, so the sum is below the graph time.
+    None off CUDA or when the profiler fails (informative only)."""
+    if not torch.cuda.is_available():
+        return None
+    fn(0)
+    torch.cuda.synchronize()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
+                fn(i)
+            torch.cuda.synchronize()
+        tot: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                name = e.name[:60]
+                tot[name] = tot.get(name, 0.0) + e.device_time_total
+        return [(k, v / calls) for k, v in tot.items()]
+    except Exception as e:  # noqa: BLE001
+        print(f"kernel times failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return None

@@ -1,15 +1,17 @@
 """The MoE sub-layer for one token: the engine's path against the one-launch kernel (issue 10, benchmark 2).
 
-The engine's path is ``MoE.forward`` (fp32 router GEMM, the routing kernel, the shared experts' GEMVs,
-alignment, two grouped GEMMs, activations, combine), with the shared experts' gate/up fused as the engine
-does. The kernel is ``layers/moe_decode_triton.moe_decode_triton``, as one persistent launch with grid
+The engine's path before session 27 is ``MoE.forward`` with ``moe.ONE_TOKEN_KERNEL`` off (fp32 router GEMM,
+the routing kernel, the shared experts' GEMVs, alignment, two grouped GEMMs, activations, combine), with the
+shared experts' gate/up fused as the engine does; with it on (the default) ``MoE.forward`` runs the kernel.
+The kernel is ``layers/moe_decode_triton.moe_decode_triton``, as one persistent launch with grid
 barriers and as three phase launches. Shapes are those of ``e2e_decode.py``'s DeepSeek-V3-shaped model:
 hidden 2048, 64 experts top-6 in 8 groups (4 kept), I 256, two shared experts, bf16.
 
 Each is checked against ``moe_decode_ref`` and timed as CUDA-graph replays (``gpu_timing.graph_seconds``)
 over a ring of layers (weights from HBM, not L2). Reported: µs per call, launches per call, and the bytes
 of the weights one token reads (router fp32, the 6 chosen and the shared experts) over that time as a
-fraction of the copy bandwidth measured in the same run. Writes DIR/moe_decode.json and .md.
+fraction of the copy bandwidth measured in the same run, and each kernel's device time per call (torch
+profiler, ``gpu_timing.kernel_times``). Writes DIR/moe_decode.json and .md.
 
     python3 benchmarks/moe_decode.py --out DIR          (GPU; on the CPU a smoke run of tiny shapes)
 """
@@ -28,10 +30,11 @@ if not torch.cuda.is_available():  # the kernels run in Triton's interpreter on 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_timing import copy_gbps, graph_seconds, kernel_count  # noqa: E402
+from gpu_timing import copy_gbps, graph_seconds, kernel_count, kernel_times  # noqa: E402
 import provenance  # noqa: E402
 
 from longflash.layers.activation import silu_and_mul  # noqa: E402
+from longflash.layers import moe as moe_mod  # noqa: E402
 from longflash.layers.moe import MoE, TopkRouter  # noqa: E402
 from longflash.layers.moe_decode_triton import moe_decode_ref, moe_decode_triton  # noqa: E402
 
@@ -74,7 +77,14 @@ def main() -> int:
     nbytes = E * D * 4 + (K * 3 * I * D + 3 * NS * I * D) * torch.finfo(dt).bits // 8
     ref = moe_decode_ref(x, *layers[0][1], *route)
     with torch.no_grad():
-        variants = {"engine MoE.forward": lambda L: L[0](x),
+        def separate(L):  # the engine's path before the one-token kernel (moe.ONE_TOKEN_KERNEL off)
+            moe_mod.ONE_TOKEN_KERNEL = False
+            try:
+                return L[0](x)
+            finally:
+                moe_mod.ONE_TOKEN_KERNEL = True
+        variants = {"engine MoE.forward, separate launches": separate,
+                    "engine MoE.forward (one-token kernel)": lambda L: L[0](x),
                     "one launch (grid barriers)": lambda L: moe_decode_triton(x, *L[1], *route, phased=False),
                     "three phase launches": lambda L: moe_decode_triton(x, *L[1], *route, phased=True)}
         for name, fn in variants.items():
@@ -84,7 +94,8 @@ def main() -> int:
             sec = graph_seconds(lambda: fn(layers[next(it) % len(layers)]), calls=len(layers), replays=10)
             us = sec * 1e6
             row = {"variant": name, "us": us, "launches": kernel_count(lambda: fn(layers[0])), "rel_err": err,
-                   "copy_fraction": nbytes / sec / 1e9 / res["copy_gbps"] if cuda else None}
+                   "copy_fraction": nbytes / sec / 1e9 / res["copy_gbps"] if cuda else None,
+                   "kernels_us": kernel_times(lambda i: fn(layers[i % len(layers)]), calls=len(layers))}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
     res["ok"] = all(r["rel_err"] <= 2e-2 for r in res["rows"])
@@ -99,6 +110,10 @@ def main() -> int:
         frac = "" if r["copy_fraction"] is None else f"{r['copy_fraction']:.3f}"
         launches = "" if r["launches"] is None else r["launches"]
         lines.append(f"| {r['variant']} | {r['us']:.1f} | {launches} | {frac} | {r['rel_err']:.1e} |")
+    lines += ["", "Device time per call of each kernel (torch profiler, eager, the same ring of layers; no launch gaps):", ""]
+    for r in res["rows"]:
+        if r["kernels_us"]:
+            lines.append(f"- {r['variant']}: " + "; ".join(f"`{k}` {v:.1f}" for k, v in r["kernels_us"]))
     with open(os.path.join(args.out, "moe_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0 if res["ok"] else 1

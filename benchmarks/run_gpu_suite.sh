@@ -41,13 +41,15 @@ run kda 160 python3 benchmarks/kda.py --out "$R"
 run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_triton.py tests/test_mxfp8.py tests/test_fp8_kv_ops.py tests/test_kda_triton.py tests/test_kda_chunked_triton.py -k "not interpreter and not sm90"
 run cuda_graph_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe_grouped.py tests/test_norm_triton.py tests/test_gemv_triton.py -k "(graph or gpu or sync) and not interpreter and not sm90"
 run gluon_decode_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_mla_decode.py tests/test_gluon_mla_decode_wgmma.py tests/test_grid_sync.py -k gpu
-run mla_decode_ab 100 python3 benchmarks/mla_decode_ab.py --out "$R" --configs '{}' '{"WGMMA": true}' --shapes 16x32768 16x131072 64x32768 64x131072
+run mla_decode_ab 100 python3 benchmarks/mla_decode_ab.py --out "$R" --configs '{}' '{"WGMMA": false}' --shapes 16x32768 16x131072 64x32768 64x131072
+run mla_decode_fp8 150 python3 benchmarks/mla_decode.py --out "$R" --only fp8:1 fp8:8
+run mla_decode_copy_ceiling 90 python3 benchmarks/mla_decode_copy_ceiling.py --out "$R"
 run moe_decode 120 python3 benchmarks/moe_decode.py --out "$R"
 run moe_decode_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_moe_decode_triton.py tests/test_moe_router_triton.py -k "gpu or cuda"
 run gemv 100 python3 benchmarks/gemv.py --out "$R" --budget-s 60
 run launch_floor 60 python3 benchmarks/launch_floor.py --out "$R"
 run penalties_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_penalties.py -k gpu
-run e2e_decode 300 python3 benchmarks/e2e_decode.py --out "$R" --budget-s 280 --baselines cublas --repeat-default
+run e2e_decode 300 python3 benchmarks/e2e_decode.py --out "$R" --budget-s 280 --baselines cublas moe-launches --repeat-default
 run long_context 210 python3 benchmarks/long_context.py --out "$R"
 run long_decode 300 python3 benchmarks/long_decode.py --out "$R"
 run dflash_bench_code 90 python3 -m longflash.entrypoints.cli bench latency --compare-spec --batch-size 1 16 --input-len 64 --output-len 128 --prompt-kind code --max-num-seqs 16 --kv-cache-memory 8GiB --output-json "$R/dflash_bench_code.json"

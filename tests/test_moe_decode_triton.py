@@ -143,3 +143,75 @@ def test_gpu_benchmark_model_shapes():
     assert all(torch.equal(moe_decode_triton(*cases[i % 4], *route, phased=False), one[i % 4]) for i in range(200))
 
 
+
+
+def _moe_layer(D, E, I, dt, device):
+    """An ``MoE`` layer as the loader leaves it: experts in ``dt``, router fp32, shared gate/up fused."""
+    from longflash.layers.activation import silu_and_mul
+    from longflash.layers.moe import MoE, TopkRouter
+    torch.manual_seed(0)
+    router = TopkRouter(D, E, 6 if E >= 8 else 2, n_group=8 if E >= 8 else 2, topk_group=4 if E >= 8 else 1,
+                        norm_topk_prob=True, routed_scaling_factor=2.5)
+    moe = MoE(D, E, I, router, silu_and_mul, num_shared_experts=2)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            p.normal_(0, 0.05 if "gate.weight" in name else 0.02)
+    moe = moe.to(device)
+    for m in moe.modules():
+        if m is not router:
+            for _, p in m.named_parameters(recurse=False):
+                p.data = p.data.to(dt)
+    moe.shared_experts.fuse_gate_up()
+    return moe
+
+
+def test_one_token_path_applies_only_where_it_can(monkeypatch):
+    """``MoE.one_token_weights`` (the one-launch path of ``MoE.forward``) says no on the CPU, for two tokens,
+    fp32, under autograd, and with the module switch off; the CPU forward is unchanged."""
+    from longflash.layers import moe as moe_mod
+    layer = _moe_layer(32, 8, 16, torch.bfloat16, "cpu")
+    x = torch.randn(1, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert layer.one_token_weights(x) is None  # CPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # past the device check, then:
+    with torch.no_grad():
+        assert layer.one_token_weights(x.expand(2, -1)) is None
+        assert layer.one_token_weights(x.float()) is None
+        monkeypatch.setattr(moe_mod, "ONE_TOKEN_KERNEL", False)
+        assert layer.one_token_weights(x) is None
+        monkeypatch.setattr(moe_mod, "ONE_TOKEN_KERNEL", True)
+        assert layer.one_token_weights(x) is not None
+        layer.shared_experts.gate_up_weight = layer.shared_experts.gate_up_weight.t().contiguous().t()
+        assert layer.one_token_weights(x) is None  # a transposed (cuBLAS-layout) shared weight: not here
+    assert layer.one_token_weights(x) is None  # autograd on
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_moe_forward_one_token_kernel():
+    """On CUDA ``MoE.forward`` of one bf16 token runs the one-launch kernel (one kernel per call), equal to the
+    separate launches (``ONE_TOKEN_KERNEL`` off) within bf16 rounding, and it captures in a CUDA graph."""
+    from longflash.layers import moe as moe_mod
+    layer = _moe_layer(2048, 64, 256, torch.bfloat16, "cuda")
+    xs = [torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16) * 0.5 for _ in range(4)]
+    with torch.no_grad():
+        assert layer.one_token_weights(xs[0]) is not None
+        fused = [layer(x) for x in xs]
+        moe_mod.ONE_TOKEN_KERNEL = False
+        try:
+            sep = [layer(x) for x in xs]
+        finally:
+            moe_mod.ONE_TOKEN_KERNEL = True
+        for a, b in zip(fused, sep):
+            assert _err(a, b) <= 2e-2
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            layer(xs[0])
+            torch.cuda.synchronize()
+        assert sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) == 1
+        static = xs[0].clone()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = layer(static)
+        for x, want in zip(xs, fused):
+            static.copy_(x)
+            g.replay()
+            assert torch.equal(out, want)

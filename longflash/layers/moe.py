@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longflash.distributed.comm import GroupCoordinator
+from longflash.layers.activation import silu_and_mul
 from longflash.layers.mlp import GatedMLP
 from longflash.layers.norm import RMSNorm
 
@@ -138,6 +139,11 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, topk_weights: torch.Ten
     return out
 
 
+# The one-token CUDA path of ``MoE.forward``: the whole sub-layer in one persistent launch
+# (``moe_decode_triton``) instead of ~12; benchmarks set it False for a baseline in the same run.
+ONE_TOKEN_KERNEL = True
+
+
 class MoE(nn.Module):
     """Routed experts + optional shared experts, with Kimi-K3's optional latent projection
     (``routed_expert_down_proj`` → experts → ``routed_expert_norm`` → ``routed_expert_up_proj``).
@@ -183,7 +189,41 @@ class MoE(nn.Module):
             self._stacked = stack_expert_weights(self.experts)
         return self._stacked
 
+    def one_token_weights(self, x: torch.Tensor) -> tuple | None:
+        """The weights :func:`~longflash.layers.moe_decode_triton.moe_decode_triton` takes for ``x``
+        (router weight and bias, stacked w13 / w2, the shared experts' fused gate/up and down), or None where
+        the one-launch kernel does not apply: ``ONE_TOKEN_KERNEL`` off, not exactly one bf16/fp16 CUDA token,
+        autograd on, packed experts, a latent projection, tensor parallelism or any multi-process group (its
+        grid barriers need every SM; a collective on another stream could hold some), softmax scoring, an
+        activation other than SiLU, an fp32-less router, unfused or non-contiguous shared weights."""
+        if not (ONE_TOKEN_KERNEL and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+                and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()):
+            return None
+        if self.grouped_experts or self.latent_size or self.tp is not None or self.gate.scoring_func != "sigmoid":
+            return None
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            return None
+        from longflash.ops.triton_env import interpreting
+        sh = self.shared_experts
+        if interpreting() or self.experts[0].act_and_mul is not silu_and_mul or self.gate.weight.dtype != torch.float32:
+            return None
+        if sh is not None and (sh.act_and_mul is not silu_and_mul or sh.gate_up_weight is None
+                               or not sh.gate_up_weight.is_contiguous() or not sh.down_proj.weight.is_contiguous()):
+            return None
+        w13, w2 = self.stack_experts()
+        if w13.dtype != x.dtype:
+            return None
+        return (self.gate.weight, self.gate.e_score_correction_bias, w13, w2,
+                sh.gate_up_weight if sh is not None else None, sh.down_proj.weight if sh is not None else None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one = self.one_token_weights(x)
+        if one is not None:  # one token on CUDA (batch-1 decode): the sub-layer in one launch
+            from longflash.layers.moe_decode_triton import moe_decode_triton
+            g = self.gate
+            return moe_decode_triton(x, *one, g.top_k, g.n_group, g.topk_group, g.norm_topk_prob,
+                                     g.routed_scaling_factor)
         topk_weights, topk_ids = self.gate(x)
         h = self.routed_expert_down_proj(x) if self.latent_size else x
         shared = None  # the shared experts' output, when the routed combine adds it in the same launch

@@ -23,7 +23,12 @@ Grid: at most one program per SM, and all of them must be resident at once for t
 not cooperative: a concurrent kernel holding SMs, e.g. NCCL on another stream or an MPS SM limit, could
 keep one waiting and hang the launch). ``phased`` runs each phase as its own launch instead (no barriers),
 which is how Triton's CPU interpreter (one program at a time) checks the work split with several programs.
-Not yet timed on a GPU and not used by the engine: ``benchmarks/NOTES.md`` session 26 has the plan.
+Used by ``MoE.forward`` for one bf16/fp16 token on CUDA (``MoE.one_token_weights`` says where). Measured on an
+H200 (``benchmarks/results/moe_decode.h200.md``, session 27): 29.1 µs per call against 38.0 µs for the 12
+launches it replaces, 0.21 of the copy bandwidth; in the batch-1 decode graph 1.96 -> 1.71 ms per step.
+Session 26's first form (a serial 128-step sum of the router partials in every program, 8 KB loads) took
+38.9 µs. Work split, per program: one block of 8 gate/up rows x 2048 (32 KB) per load, the chosen experts'
+down rows of a DOWN_BLOCK_ROWS-row output block in one gathered load; no loop is software-pipelined.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from longflash.layers.moe_router_triton import _IDX_BITS, route_scores
 from longflash.ops.grid_sync import grid_arrive, grid_reset_if_last, grid_wait
 from longflash.ops.triton_env import interpreting, sm_count
 
-ROUTER_SLICE = 16  # hidden dims per router partial
+ROUTER_SLICE = 64  # hidden dims per router partial: 32 partials at D 2048, summed in one load
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -47,7 +52,10 @@ def _barrier_counter(device: torch.device) -> torch.Tensor:
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return _COUNTERS[device]
-BLOCK_K = 512  # hidden dims per step of the gate/up products
+BLOCK_K = 2048  # hidden dims per step of the gate/up products: a block's 8 rows x 2048 (32 KB bf16) in one load
+NUM_WARPS = 8
+DOWN_BLOCK_ROWS = 4  # output rows per block of the down products: [8 slots, 4, 256] (sm_90: 8 rows spill)
+ROUTE_CHUNK = 2048  # router partials (fp32) summed per load: 8 per thread at 8 warps (sm_90: 8192 spill)
 
 
 @triton.jit
@@ -85,21 +93,26 @@ def _rows_times_x(w_ptr, row0, n_rows, x_ptr, D, K_STEP: tl.constexpr, INTERPRET
 
 
 @triton.jit
-def _route(part_ptr, n_slices, bias_ptr, scale, E_P: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-           NG_P: tl.constexpr, GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
-           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr):
-    """The token's routing from the router partials ``part`` [n_slices, E_P] (summed in slice order): (sel, w,
-    ids) of ``route_scores`` and the slot of each chosen expert (ascending id), each [NG_P * GS_P]."""
-    g = tl.arange(0, NG_P)[:, None]
-    j = tl.arange(0, GS_P)[None, :]
+def _route(part_ptr, n_slices, bias_ptr, scale, NS_C: tl.constexpr, E_P: tl.constexpr, N_GROUP: tl.constexpr,
+           GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr, GS_P: tl.constexpr, TOP_K: tl.constexpr,
+           TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, INTERPRET: tl.constexpr,
+           IDX_BITS: tl.constexpr):
+    """The token's routing from the router partials ``part`` [n_slices, E_P], loaded NS_C slices at a time
+    (one load at the benchmark model's shapes) and summed by ``tl.sum`` within a chunk, chunks in order: a
+    fixed order, the same in every program and for every grid. Returns (sel, w, ids) of ``route_scores``
+    and the slot of each chosen expert (ascending id), each [NG_P * GS_P]."""
+    sl = tl.arange(0, NS_C)[:, None, None]
+    g = tl.arange(0, NG_P)[None, :, None]
+    j = tl.arange(0, GS_P)[None, None, :]
     valid = (g < N_GROUP) & (j < GROUP_SIZE)
-    e = g * GROUP_SIZE + j
     logits = tl.zeros([NG_P, GS_P], tl.float32)
-    s = 0
-    while s < n_slices:  # (a while loop: the interpreter cannot run a for loop over run-time bounds)
-        logits += tl.load(part_ptr + s * E_P + e, mask=valid, other=0.0)
-        s += 1
-    logits = tl.where(valid, logits, float("-inf"))
+    c = 0
+    while c < n_slices:  # (a while loop: the interpreter cannot run a for loop over run-time bounds)
+        part = tl.load(part_ptr + (c + sl) * E_P + g * GROUP_SIZE + j, mask=valid & (c + sl < n_slices), other=0.0)
+        logits += tl.sum(part, axis=0)
+        c += NS_C
+    valid2 = (tl.arange(0, NG_P)[:, None] < N_GROUP) & (tl.arange(0, GS_P)[None, :] < GROUP_SIZE)
+    logits = tl.where(valid2, logits, float("-inf"))
     sel, w, ids = route_scores(logits, bias_ptr, scale, N_GROUP, GROUP_SIZE, NG_P, GS_P, TOP_K, TOPK_GROUP, HAS_BIAS,
                                False, RENORM, INTERPRET, IDX_BITS)
     a = sel.to(tl.int32)
@@ -112,8 +125,8 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
                        E_P: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr,
                        GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        RENORM: tl.constexpr, HAS_SHARED: tl.constexpr, I_P: tl.constexpr, IS_P: tl.constexpr,
-                       RK: tl.constexpr, K_STEP: tl.constexpr, PHASE: tl.constexpr, INTERPRET: tl.constexpr,
-                       IDX_BITS: tl.constexpr):
+                       RK: tl.constexpr, K_STEP: tl.constexpr, NS_C: tl.constexpr, TK_P: tl.constexpr, DOWN_ROWS: tl.constexpr,
+                       PHASE: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     DT: tl.constexpr = y_ptr.dtype.element_ty
@@ -141,15 +154,19 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
             before = grid_arrive(bar_ptr)
             grid_wait(bar_ptr, P)
     if (PHASE == 1) | (PHASE == 2) | (PHASE == 3):
-        sel, wsel, ids, slot = _route(part_ptr, n_slices, bias_ptr, scale, E_P, N_GROUP, GROUP_SIZE, NG_P, GS_P, TOP_K,
+        sel, wsel, ids, slot = _route(part_ptr, n_slices, bias_ptr, scale, NS_C, E_P, N_GROUP, GROUP_SIZE, NG_P, GS_P, TOP_K,
                                       TOPK_GROUP, HAS_BIAS, RENORM, INTERPRET, IDX_BITS)
+        k = tl.arange(0, TK_P)
+        in_slot = sel[None, :] & (slot[None, :] == k[:, None])  # [TK_P, experts]
+        eid = tl.sum(tl.where(in_slot, ids[None, :], 0), axis=1).to(tl.int64)  # [TK_P] expert of each slot
+        wk = tl.sum(tl.where(in_slot, wsel[None, :], 0.0), axis=1)  # [TK_P] its routing weight (0 past TOP_K)
     if (PHASE == 1) | (PHASE == 3):
         # the chosen experts' gate/up rows: TOP_K x 2I rows in blocks of 8, spread over the programs
         blocks = tl.cdiv(2 * I, 8)
         b = pid
         while b < TOP_K * blocks:
             sl = b // blocks
-            e = tl.sum(tl.where(sel & (slot == sl), ids, 0), axis=0).to(tl.int64)
+            e = tl.sum(tl.where(k == sl, eid, 0), axis=0)
             r = (b % blocks) * 8 + tl.arange(0, 8)
             v = _rows_times_x(w13_ptr + e * (2 * I) * D, (b % blocks) * 8, 2 * I, x_ptr, D, K_STEP, INTERPRET)
             tl.store(g_ptr + sl * (2 * I) + r, v.to(DT), mask=r < 2 * I)
@@ -158,22 +175,26 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
             before = grid_arrive(bar_ptr)
             grid_wait(bar_ptr, 2 * P)
     if (PHASE == 2) | (PHASE == 3):
-        # output rows: the weighted down products of the chosen experts plus the shared experts'
+        # output rows: the weighted down products of the chosen experts plus the shared experts'; per 8-row
+        # block of DOWN_ROWS rows one gathered load of the TOP_K experts' rows [TK_P, DOWN_ROWS, I_P] (all in flight)
         i = tl.arange(0, I_P)
+        hm = (k < TOP_K)[:, None] & (i < I)[None, :]
+        gp = g_ptr + k[:, None] * (2 * I) + i[None, :]
+        gate = tl.load(gp, mask=hm, other=0.0).to(tl.float32)
+        up = tl.load(gp + I, mask=hm, other=0.0).to(tl.float32)
+        h = (gate / (1.0 + tl.exp(-gate)) * up).to(DT).to(tl.float32)  # [TK_P, I_P] act(g) of each slot
+        w2_base = w2_ptr + eid[:, None, None] * D * I + i[None, None, :]
+        w2_mask = ((k < TOP_K)[:, None] & (i < I)[None, :])[:, None, :]
+        if HAS_SHARED:
+            js = tl.arange(0, IS_P)
+            hs = _silu_mul(gs_ptr, IS, IS_P, DT)
         b = pid
-        while b < tl.cdiv(D, 8):
-            r = b * 8 + tl.arange(0, 8)
-            y = tl.zeros([8], tl.float32)
-            for sl in tl.static_range(TOP_K):
-                e = tl.sum(tl.where(sel & (slot == sl), ids, 0), axis=0).to(tl.int64)
-                we = tl.sum(tl.where(sel & (slot == sl), wsel, 0.0), axis=0)
-                h = _silu_mul(g_ptr + sl * (2 * I), I, I_P, DT)
-                w2 = tl.load(w2_ptr + e * D * I + r[:, None].to(tl.int64) * I + i[None, :],
-                             mask=(r < D)[:, None] & (i < I)[None, :], other=0.0)
-                y += we * tl.sum(w2.to(tl.float32) * h[None, :], axis=1)
+        while b < tl.cdiv(D, DOWN_ROWS):
+            r = b * DOWN_ROWS + tl.arange(0, DOWN_ROWS)
+            r3 = r[None, :, None]
+            w2 = tl.load(w2_base + r3.to(tl.int64) * I, mask=w2_mask & (r3 < D), other=0.0)
+            y = tl.sum(tl.sum(w2.to(tl.float32) * h[:, None, :], axis=2) * wk[:, None], axis=0)
             if HAS_SHARED:
-                js = tl.arange(0, IS_P)
-                hs = _silu_mul(gs_ptr, IS, IS_P, DT)
                 sw2 = tl.load(sw2_ptr + r[:, None].to(tl.int64) * IS + js[None, :],
                               mask=(r < D)[:, None] & (js < IS)[None, :], other=0.0)
                 y += tl.sum(sw2.to(tl.float32) * hs[None, :], axis=1)
@@ -290,14 +311,15 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     y = torch.empty(1, D, dtype=x.dtype, device=dev)
     bar = _barrier_counter(dev)
     gsz = E // n_group
+    NG_P, GS_P = triton.next_power_of_2(n_group), triton.next_power_of_2(gsz)
     args = (x, router_w.contiguous(), bias if bias is not None else router_w, w13.contiguous(), w2.contiguous(),
             shared_w13.contiguous() if shared_w13 is not None else w13, shared_w2.contiguous() if shared_w2 is not None
             else w2, part, g, gs, y, bar, D, I, IS, n_slices, float(routed_scaling_factor))
-    meta = dict(E_P=E_P, N_GROUP=n_group, GROUP_SIZE=gsz, NG_P=triton.next_power_of_2(n_group),
-                GS_P=triton.next_power_of_2(gsz), TOP_K=top_k, TOPK_GROUP=topk_group, HAS_BIAS=bias is not None,
+    meta = dict(E_P=E_P, N_GROUP=n_group, GROUP_SIZE=gsz, NG_P=NG_P, GS_P=GS_P, TOP_K=top_k, TOPK_GROUP=topk_group, HAS_BIAS=bias is not None,
                 RENORM=bool(norm_topk_prob), HAS_SHARED=shared_w13 is not None, I_P=triton.next_power_of_2(I),
                 IS_P=triton.next_power_of_2(IS), RK=ROUTER_SLICE, K_STEP=min(BLOCK_K, triton.next_power_of_2(D)),
-                INTERPRET=interp, IDX_BITS=_IDX_BITS, num_warps=4)
+                NS_C=min(triton.next_power_of_2(n_slices), max(1, ROUTE_CHUNK // (NG_P * GS_P))), TK_P=triton.next_power_of_2(top_k), DOWN_ROWS=DOWN_BLOCK_ROWS, INTERPRET=interp,
+                IDX_BITS=_IDX_BITS, num_warps=NUM_WARPS)
     for phase in ((0, 1, 2) if phased else (3,)):
         _moe_decode_kernel[(P,)](*args, PHASE=phase, **meta)
     return y

@@ -47,7 +47,8 @@ def kernel_count(fn) -> int | None:
 def kernel_times(fn, calls: int = 24) -> list[tuple[str, float]] | None:
     """Device time per call of each GPU kernel ``fn`` launches, in µs: ``fn(i)`` for i in 0..calls-1
     (eager, under the torch profiler; pass a ring of inputs so weights come from HBM as in a real step),
-    each kernel's summed time / ``calls``, in launch order of the first call (names cut at 60 characters).
+    each kernel's summed time / ``calls``, in launch order of the first call (names cut at 60 characters;
+    a kernel launched more than once per call gets one entry per launch, ``name #1``, ``name #2``, ...).
     Profiled kernels run without the launch gaps a dependency adds, so the sum is below the graph time.
     None off CUDA or when the profiler fails (informative only)."""
     if not torch.cuda.is_available():
@@ -59,11 +60,17 @@ def kernel_times(fn, calls: int = 24) -> list[tuple[str, float]] | None:
             for i in range(calls):
                 fn(i)
             torch.cuda.synchronize()
+        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+        per_call = len(evs) // calls if len(evs) % calls == 0 else 0
         tot: dict[str, float] = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                name = e.name[:60]
-                tot[name] = tot.get(name, 0.0) + e.device_time_total
+        for i, e in enumerate(evs):
+            name = e.name[:60]
+            if per_call:  # the same launches every call: a kernel launched twice per call gets two entries
+                first = [x.name[:60] for x in evs[:per_call]]
+                if first.count(name) > 1:
+                    name = f"{name} #{first[:i % per_call + 1].count(name)}"
+            tot[name] = tot.get(name, 0.0) + e.device_time_total
         return [(k, v / calls) for k, v in tot.items()]
     except Exception as e:  # noqa: BLE001
         print(f"kernel times failed: {type(e).__name__}: {e}", file=sys.stderr)

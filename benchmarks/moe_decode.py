@@ -1,10 +1,11 @@
-"""The MoE sub-layer for one token: the engine's path against the one-launch kernel (issue 10, benchmark 2).
+"""The MoE sub-layer for one token: the engine's separate launches against the one-token kernel (issue 10, benchmark 2).
 
 The engine's path before session 27 is ``MoE.forward`` with ``moe.ONE_TOKEN_KERNEL`` off (fp32 router GEMM,
 the routing kernel, the shared experts' GEMVs, alignment, two grouped GEMMs, activations, combine), with the
 shared experts' gate/up fused as the engine does; with it on (the default) ``MoE.forward`` runs the kernel.
-The kernel is ``layers/moe_decode_triton.moe_decode_triton``, as one persistent launch with grid
-barriers and as three phase launches. Shapes are those of ``e2e_decode.py``'s DeepSeek-V3-shaped model:
+The kernel is ``layers/moe_decode_triton.moe_decode_triton``: its default three launches (phase 0, the
+routing, phases 1-2 with a grid barrier) with and without the L2 prefetch, the single persistent launch
+(every program routes), and the four phase launches. Shapes are those of ``e2e_decode.py``'s DeepSeek-V3-shaped model:
 hidden 2048, 64 experts top-6 in 8 groups (4 kept), I 256, two shared experts, bf16.
 
 Each is checked against ``moe_decode_ref`` and timed as CUDA-graph replays (``gpu_timing.graph_seconds``)
@@ -85,8 +86,10 @@ def main() -> int:
                 moe_mod.ONE_TOKEN_KERNEL = True
         variants = {"engine MoE.forward, separate launches": separate,
                     "engine MoE.forward (one-token kernel)": lambda L: L[0](x),
-                    "one launch (grid barriers)": lambda L: moe_decode_triton(x, *L[1], *route, phased=False),
-                    "three phase launches": lambda L: moe_decode_triton(x, *L[1], *route, phased=True)}
+                    "three launches, no L2 prefetch": lambda L: moe_decode_triton(x, *L[1], *route, prefetch=False),
+                    "one launch (routing in every program)": lambda L: moe_decode_triton(x, *L[1], *route,
+                                                                                         route_launch=False),
+                    "four phase launches (no grid barrier)": lambda L: moe_decode_triton(x, *L[1], *route, phased=True)}
         for name, fn in variants.items():
             y = fn(layers[0])
             err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())

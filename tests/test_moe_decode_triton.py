@@ -1,17 +1,18 @@
-"""The one-launch MoE sub-layer for one token (``layers/moe_decode_triton.py``) equals its reference
-``moe_decode_ref``, and the reference equals the engine's ``MoE`` layer (router, noaux_tc routing, routed and
-shared SiLU experts):
+"""The one-token MoE sub-layer (``layers/moe_decode_triton.py``) equals its reference ``moe_decode_ref``, and
+the reference equals the engine's ``MoE`` layer (router, noaux_tc routing, routed and shared SiLU experts):
 
 - CPU: the reference against ``MoE.forward`` (fp32, groups, bias, shared experts); the Triton kernel under
-  ``TRITON_INTERPRET=1`` (a subprocess: set before Triton is imported) in fp32 and fp16, as one persistent
-  launch of one program (the phase code in one launch; with one program the barriers open at once, so
-  their targets are checked only on the GPU) and as three phase launches of 1, 3 and 7 programs (the work
-  split), with odd sizes (D 70, I 12), without shared experts, without bias, one group, top_k = E, a strided
-  x and bias; refused inputs name the problem;
+  ``TRITON_INTERPRET=1`` (a subprocess: set before Triton is imported) in fp32 and fp16, in its three launch
+  forms with one program (the default: phase 0, the routing launch, phases 1-2 with a barrier; the single
+  persistent launch; with one program the barriers open at once, so their targets are checked only on the
+  GPU) and as phase launches of 1, 3 and 7 programs (the work split), with odd sizes (D 70, I 12), without
+  shared experts, without bias, one group, top_k = E, a strided x and bias; refused inputs name the problem;
+  where ``MoE.forward`` takes the kernel;
 - GPU (skipped without CUDA): bf16 at the DeepSeek-V3-shaped benchmark model's shapes (D 2048, 64 experts
-  top-6 in 8 groups, I 256, two shared experts), one persistent launch on every SM against the reference and
-  the phase launches, and 200 persistent launches over 4 inputs each bitwise equal to a one-program launch
-  (a stale read across a barrier would show).
+  top-6 in 8 groups, I 256, two shared experts), each launch form against the reference, with and without
+  the L2 prefetch (bitwise equal), and 200 persistent calls over 4 inputs each bitwise equal to a one-program
+  call, for the default and the single launch (a stale read across a barrier would show); ``MoE.forward``
+  on one token (three launches, equal to the separate launches, captured in a CUDA graph).
 Bounds: |y − ref| ≤ 1e-5 · max |ref| in fp32, 1e-3 in fp16 (sums in another order, one ulp of an intermediate
 rounding), 2e-2 in bf16; the routing is the reference's unless two choice scores tie (random inputs avoid it).
 """
@@ -56,9 +57,11 @@ def _interpreter_check() -> dict:
         for dt in (torch.float32, torch.float16):
             args = _case(dt=dt, **kw)
             ref = moe_decode_ref(*args, *route)
-            for P, phased in ((1, False), (1, True), (3, True), (7, True)):
-                y = moe_decode_triton(*args, *route, programs=P, phased=phased)
-                out[f"{name} {dt} P{P}{' phased' if phased else ''}"] = [_err(y, ref), BOUND[dt]]
+            for P, phased, rl in ((1, False, True), (1, False, False), (1, True, True), (3, True, True),
+                                  (7, True, True)):
+                y = moe_decode_triton(*args, *route, programs=P, phased=phased, route_launch=rl)
+                out[f"{name} {dt} P{P}{' phased' if phased else ''}{'' if rl else ' one launch'}"] = [_err(y, ref),
+                                                                                                 BOUND[dt]]
     # a strided x and bias (the kernel reads both as contiguous)
     x, rw, b, w13, w2, s13, s2 = _case()
     xs = torch.zeros(1, 2 * x.shape[1])
@@ -76,7 +79,7 @@ BOUND = {torch.float32: 1e-5, torch.float16: 1e-3}
 def test_kernel_equals_reference_interpreter():
     got = run_interpreted("import json, sys; sys.path.insert(0, 'tests'); import test_moe_decode_triton as t; "
                           "print('RESULT' + json.dumps(t._interpreter_check()))")
-    assert len(got) == len(CASES) * 2 * 4 + 1
+    assert len(got) == len(CASES) * 2 * 5 + 1
     bad = {k: v for k, (v, bound) in got.items() if not v <= bound}
     assert not bad, bad
 
@@ -134,13 +137,16 @@ def test_gpu_benchmark_model_shapes():
     args = _case(D=2048, E=64, I=256, IS=512, dt=torch.bfloat16, device="cuda")
     route = (6, 8, 4, True, 2.5)
     ref = moe_decode_ref(*args, *route)
-    for phased in (False, True):
-        y = moe_decode_triton(*args, *route, phased=phased)
+    for phased, rl in ((False, True), (False, False), (True, True)):
+        y = moe_decode_triton(*args, *route, phased=phased, route_launch=rl)
         assert _err(y, ref) <= 2e-2
+        assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, prefetch=False), y)
     # nothing depends on the grid: every persistent launch equals a one-program launch bitwise, call after call
     cases = [_case(D=2048, E=64, I=256, IS=512, dt=torch.bfloat16, device="cuda", seed=s) for s in range(4)]
-    one = [moe_decode_triton(*a, *route, programs=1, phased=False) for a in cases]
-    assert all(torch.equal(moe_decode_triton(*cases[i % 4], *route, phased=False), one[i % 4]) for i in range(200))
+    for rl in (True, False):  # the default three launches and the one launch
+        one = [moe_decode_triton(*a, *route, programs=1, phased=False, route_launch=rl) for a in cases]
+        assert all(torch.equal(moe_decode_triton(*cases[i % 4], *route, phased=False, route_launch=rl), one[i % 4])
+                   for i in range(200))
 
 
 
@@ -166,7 +172,7 @@ def _moe_layer(D, E, I, dt, device):
 
 
 def test_one_token_path_applies_only_where_it_can(monkeypatch):
-    """``MoE.one_token_weights`` (the one-launch path of ``MoE.forward``) says no on the CPU, for two tokens,
+    """``MoE.one_token_weights`` (the one-token kernel path of ``MoE.forward``) says no on the CPU, for two tokens,
     fp32, under autograd, and with the module switch off; the CPU forward is unchanged."""
     from longflash.layers import moe as moe_mod
     layer = _moe_layer(32, 8, 16, torch.bfloat16, "cpu")
@@ -188,7 +194,7 @@ def test_one_token_path_applies_only_where_it_can(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_moe_forward_one_token_kernel():
-    """On CUDA ``MoE.forward`` of one bf16 token runs the one-launch kernel (one kernel per call), equal to the
+    """On CUDA ``MoE.forward`` of one bf16 token runs the one-token kernel (three launches per call), equal to the
     separate launches (``ONE_TOKEN_KERNEL`` off) within bf16 rounding, and it captures in a CUDA graph."""
     from longflash.layers import moe as moe_mod
     layer = _moe_layer(2048, 64, 256, torch.bfloat16, "cuda")
@@ -206,7 +212,7 @@ def test_gpu_moe_forward_one_token_kernel():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             layer(xs[0])
             torch.cuda.synchronize()
-        assert sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) == 1
+        assert sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) == 3
         static = xs[0].clone()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

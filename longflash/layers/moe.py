@@ -139,8 +139,8 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, topk_weights: torch.Ten
     return out
 
 
-# The one-token CUDA path of ``MoE.forward``: the whole sub-layer in one persistent launch
-# (``moe_decode_triton``) instead of ~12; benchmarks set it False for a baseline in the same run.
+# The one-token CUDA path of ``MoE.forward``: the whole sub-layer in the one-token kernel
+# (``moe_decode_triton``: three launches) instead of 12; benchmarks set it False for a baseline in the same run.
 ONE_TOKEN_KERNEL = True
 
 
@@ -192,7 +192,7 @@ class MoE(nn.Module):
     def one_token_weights(self, x: torch.Tensor) -> tuple | None:
         """The weights :func:`~longflash.layers.moe_decode_triton.moe_decode_triton` takes for ``x``
         (router weight and bias, stacked w13 / w2, the shared experts' fused gate/up and down), or None where
-        the one-launch kernel does not apply: ``ONE_TOKEN_KERNEL`` off, not exactly one bf16/fp16 CUDA token,
+        the one-token kernel does not apply: ``ONE_TOKEN_KERNEL`` off, not exactly one bf16/fp16 CUDA token,
         autograd on, packed experts, a latent projection, tensor parallelism or any multi-process group (its
         grid barriers need every SM; a collective on another stream could hold some), softmax scoring, an
         activation other than SiLU, an fp32-less router, unfused or non-contiguous shared weights."""
@@ -219,7 +219,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         one = self.one_token_weights(x)
-        if one is not None:  # one token on CUDA (batch-1 decode): the sub-layer in one launch
+        if one is not None:  # one token on CUDA (batch-1 decode): the one-token kernel
             from longflash.layers.moe_decode_triton import moe_decode_triton
             g = self.gate
             return moe_decode_triton(x, *one, g.top_k, g.n_group, g.topk_group, g.norm_topk_prob,

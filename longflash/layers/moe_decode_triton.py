@@ -1,20 +1,24 @@
-"""A DeepSeek-V3-style MoE sub-layer for one token in one persistent Triton launch (router, noaux_tc top-k
-routing, the chosen routed experts and the shared experts, SiLU gating, weighted combine); reference
+"""A DeepSeek-V3-style MoE sub-layer for one token in three Triton launches (router, noaux_tc top-k routing,
+the chosen routed experts and the shared experts, SiLU gating, weighted combine); reference
 :func:`moe_decode_ref` (same arguments; the tests compare them).
 
 Why: at batch 1 a decode step is bound by dependent launches, ~0.7-1.5 µs each (``benchmarks/NOTES.md``,
-sessions 22-26), and the engine's MoE sub-layer is ~10 of them (fp32 router GEMM, routing, alignment, two
+sessions 22-26), and the engine's MoE sub-layer is 12 of them (fp32 router GEMM, routing, alignment, two
 grouped GEMMs, two activations, the shared experts' gate/up and down GEMVs, combine); at the benchmark
-model's shapes (hidden 2048, 64 experts top-6, I 256, two shared experts) one token reads ~24.5 MB of
-weights, ~6 µs at the H200's copy rate. Here the work is three phases of one launch separated by grid
-barriers (``longflash/ops/grid_sync.py``, ~1 µs each):
+model's shapes (hidden 2048, 64 experts top-6, I 256, two shared experts) one token reads ~25.7 MB of
+weights, ~6 µs at the H200's copy rate. The work (``PHASE`` of the one kernel):
 
-0. router partial logits (each program a slice of the hidden dim for all experts: fp32 partials, summed
-   in a fixed order, so the logits do not depend on the grid) and the shared experts' gate/up rows;
-1. every program sums the partials and routes (``moe_router_triton.route_scores``: the routing kernel's
-   code, same keys and tie rule), then the chosen experts' gate/up rows, spread over the programs;
-2. every program owns 8-row blocks of the output: ``y = Σ_s w_s · W2[e_s] · act(g_s) + W2_sh · act(g_sh)``,
-   ``act(g) = silu(gate) · up``, each down product in fp32, one rounding at the end.
+0. router partial logits (each program a 64-wide slice of the hidden dim for all experts: fp32 partials,
+   summed in a fixed order, so the logits do not depend on the grid) and the shared experts' gate/up rows;
+4. the routing: one program of one warp sums the partials and routes (``moe_router_triton.route_scores``:
+   the routing kernel's code, same keys and tie rule), and stores each slot's expert and weight;
+5. persistent (one program per SM): the chosen experts' weights are prefetched into L2
+   (``ops/l2_prefetch.py``); phase 1, their gate/up rows in 8-row blocks spread over the programs; a grid
+   barrier (``longflash/ops/grid_sync.py``, ~1 µs); phase 2, every program owns DOWN_BLOCK_ROWS-row blocks
+   of the output: ``y = Σ_s w_s · W2[e_s] · act(g_s) + W2_sh · act(g_sh)``, ``act(g) = silu(gate) · up``,
+   each down product in fp32, one rounding at the end.
+PHASE 3 is all of it in one persistent launch (every program routes, three barriers); PHASEs 1 and 2 alone
+are the barrier-free launches of ``phased``.
 Rounding points: the gate/up products and the gated activations are rounded to the weights' dtype, the rest
 is fp32 with one final rounding (the engine's grouped path also rounds each expert's down product and the
 shared output, so in 16-bit dtypes the two differ by a few ulps). The router logits are summed in another
@@ -23,12 +27,17 @@ Grid: at most one program per SM, and all of them must be resident at once for t
 not cooperative: a concurrent kernel holding SMs, e.g. NCCL on another stream or an MPS SM limit, could
 keep one waiting and hang the launch). ``phased`` runs each phase as its own launch instead (no barriers),
 which is how Triton's CPU interpreter (one program at a time) checks the work split with several programs.
-Used by ``MoE.forward`` for one bf16/fp16 token on CUDA (``MoE.one_token_weights`` says where). Measured on an
-H200 (``benchmarks/results/moe_decode.h200.md``, session 27): 29.1 µs per call against 38.0 µs for the 12
-launches it replaces, 0.21 of the copy bandwidth; in the batch-1 decode graph 1.96 -> 1.71 ms per step.
-Session 26's first form (a serial 128-step sum of the router partials in every program, 8 KB loads) took
-38.9 µs. Work split, per program: one block of 8 gate/up rows x 2048 (32 KB) per load, the chosen experts'
-down rows of a DOWN_BLOCK_ROWS-row output block in one gathered load; no loop is software-pipelined.
+The kernel uses 8 warps (sm_90: no spills in PHASEs 0, 4 (1 warp), 5, 1, 2).
+Used by ``MoE.forward`` for one bf16/fp16 token on CUDA (``MoE.one_token_weights`` says where), as three
+launches (see :func:`moe_decode_triton`). Measured on an H200 (``benchmarks/results/moe_decode.h200.md``,
+session 27; CUDA-graph µs per call, one process): 30.0 against 37.9 for the engine's 12 launches (0.20 of the
+copy bandwidth); phase 0 4.4, the routing launch 5.3, phases 1-2 18.0 µs of device time. The single
+persistent launch takes 29-31 µs: every program routes there, ~7,000 instructions per warp at 8 warps
+(sm_90 SASS; 520 bytes of spills), and the four phase launches show phase 1 (gate/up, 12.6 MB) at 11.0 µs
+and phase 2 (down, 6.3 MB + 2 MB shared) at 8.7: neither is near the copy rate, the next thing to fix.
+The L2 prefetch saves 5 µs in phases 1-2 of the three launches (23.2 -> 18.0). In the batch-1 decode graph
+of ``e2e_decode.py`` the kernel takes 1.965 -> 1.75 ms per step. Session 26's first form (a serial 128-step
+sum of the router partials in every program, 8 KB loads) took 38.9 µs.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import triton.language as tl
 from longflash.layers.moe import check_routing_args, topk_routing
 from longflash.layers.moe_router_triton import _IDX_BITS, route_scores
 from longflash.ops.grid_sync import grid_arrive, grid_reset_if_last, grid_wait
+from longflash.ops.l2_prefetch import prefetch_l2
 from longflash.ops.triton_env import interpreting, sm_count
 
 ROUTER_SLICE = 64  # hidden dims per router partial: 32 partials at D 2048, summed in one load
@@ -121,16 +131,19 @@ def _route(part_ptr, n_slices, bias_ptr, scale, NS_C: tl.constexpr, E_P: tl.cons
 
 @triton.jit
 def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_ptr, part_ptr, g_ptr, gs_ptr, y_ptr,
-                       bar_ptr, D, I, IS, n_slices, scale,
+                       bar_ptr, rid_ptr, rwt_ptr, D, I, IS, n_slices, scale,
                        E_P: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr,
                        GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        RENORM: tl.constexpr, HAS_SHARED: tl.constexpr, I_P: tl.constexpr, IS_P: tl.constexpr,
                        RK: tl.constexpr, K_STEP: tl.constexpr, NS_C: tl.constexpr, TK_P: tl.constexpr, DOWN_ROWS: tl.constexpr,
+                       PREFETCH: tl.constexpr, ELT: tl.constexpr, NUM_WARPS: tl.constexpr,
                        PHASE: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     before = 0
+    if PREFETCH & ((PHASE == 0) | (PHASE == 3)) & HAS_SHARED:  # the shared experts' down rows (phase 2) into L2
+        prefetch_l2(sw2_ptr, D * IS * ELT, pid, P, 32 * NUM_WARPS, INTERPRET)
     if (PHASE == 0) | (PHASE == 3):
         # router partial logits: slice s of the hidden dim, all experts (fp32 router weights)
         # (grid-stride while loops: the interpreter cannot run a for loop over run-time bounds)
@@ -153,14 +166,29 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
         if PHASE == 3:
             before = grid_arrive(bar_ptr)
             grid_wait(bar_ptr, P)
-    if (PHASE == 1) | (PHASE == 2) | (PHASE == 3):
+    k = tl.arange(0, TK_P)
+    if (PHASE == 3) | (PHASE == 4):  # the routing, from the summed router partials
         sel, wsel, ids, slot = _route(part_ptr, n_slices, bias_ptr, scale, NS_C, E_P, N_GROUP, GROUP_SIZE, NG_P, GS_P, TOP_K,
                                       TOPK_GROUP, HAS_BIAS, RENORM, INTERPRET, IDX_BITS)
-        k = tl.arange(0, TK_P)
         in_slot = sel[None, :] & (slot[None, :] == k[:, None])  # [TK_P, experts]
         eid = tl.sum(tl.where(in_slot, ids[None, :], 0), axis=1).to(tl.int64)  # [TK_P] expert of each slot
         wk = tl.sum(tl.where(in_slot, wsel[None, :], 0.0), axis=1)  # [TK_P] its routing weight (0 past TOP_K)
-    if (PHASE == 1) | (PHASE == 3):
+        if PHASE == 4:  # one program publishes it for the next launch
+            tl.store(rid_ptr + k, eid)
+            tl.store(rwt_ptr + k, wk)
+    if (PHASE == 1) | (PHASE == 2) | (PHASE == 5):  # the routing a PHASE 4 launch stored
+        eid = tl.load(rid_ptr + k)
+        wk = tl.load(rwt_ptr + k)
+    if PREFETCH & ((PHASE == 1) | (PHASE == 3) | (PHASE == 5)):
+        # every byte the next phases read, into L2 while this phase computes: the chosen experts' gate/up
+        # rows (phase 1), then their down rows (phase 2); the grid splits each range
+        for t in tl.static_range(TOP_K):
+            prefetch_l2(w13_ptr + tl.sum(tl.where(k == t, eid, 0), axis=0) * (2 * I) * D, 2 * I * D * ELT, pid, P,
+                        32 * NUM_WARPS, INTERPRET)
+        for t in tl.static_range(TOP_K):
+            prefetch_l2(w2_ptr + tl.sum(tl.where(k == t, eid, 0), axis=0) * D * I, D * I * ELT, pid, P,
+                        32 * NUM_WARPS, INTERPRET)
+    if (PHASE == 1) | (PHASE == 3) | (PHASE == 5):
         # the chosen experts' gate/up rows: TOP_K x 2I rows in blocks of 8, spread over the programs
         blocks = tl.cdiv(2 * I, 8)
         b = pid
@@ -174,7 +202,10 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
         if PHASE == 3:
             before = grid_arrive(bar_ptr)
             grid_wait(bar_ptr, 2 * P)
-    if (PHASE == 2) | (PHASE == 3):
+        if PHASE == 5:
+            before = grid_arrive(bar_ptr)
+            grid_wait(bar_ptr, P)
+    if (PHASE == 2) | (PHASE == 3) | (PHASE == 5):
         # output rows: the weighted down products of the chosen experts plus the shared experts'; per 8-row
         # block of DOWN_ROWS rows one gathered load of the TOP_K experts' rows [TK_P, DOWN_ROWS, I_P] (all in flight)
         i = tl.arange(0, I_P)
@@ -203,6 +234,9 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
     if PHASE == 3:
         before = grid_arrive(bar_ptr)
         grid_reset_if_last(bar_ptr, before, 3 * P)
+    if PHASE == 5:
+        before = grid_arrive(bar_ptr)
+        grid_reset_if_last(bar_ptr, before, 2 * P)
 
 
 def _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group):
@@ -275,17 +309,25 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
                       w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
                       n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                       routed_scaling_factor: float = 1.0, *, programs: int | None = None,
-                      phased: bool | None = None) -> torch.Tensor:
+                      phased: bool | None = None, route_launch: bool = True, prefetch: bool = True) -> torch.Tensor:
     """Triton version of :func:`moe_decode_ref`: same arguments (any strides; x and the bias are made
     contiguous, the bias fp32) and result within the sums' order (fp32; in 16-bit dtypes an intermediate
     rounding may differ by an ulp).
 
-    ``programs``: the grid (default: the SM count on CUDA, 1 in the interpreter); ``phased``: three launches
-    (one per phase, no grid barrier) instead of one persistent launch; default: phased only in the
-    interpreter with more than one program. The persistent launch is one kernel (its barrier counter is
-    kept per device and left at 0). Raises ValueError as the reference, for programs < 1, and for a
-    persistent launch with more programs than SMs (the barriers need all of them resident) or more than one
-    in the interpreter."""
+    Launches (``programs``: the grid of the persistent ones; default the SM count on CUDA, 1 in the
+    interpreter):
+    - default (``route_launch``): three: phase 0 (router partials, shared gate/up; ``programs``), the routing
+      (one program of one warp, which stores the chosen experts and weights), then phases 1 and 2 as one
+      persistent launch with one grid barrier. The routing's ~7,000 instructions per warp take ~10 µs when
+      all 8 warps of every program run them (sm_90 SASS, session 27) against ~2 µs for one warp;
+    - ``route_launch=False``: one persistent launch, every program routing after the first barrier;
+    - ``phased``: phase 0, the routing, phase 1, phase 2, four launches without grid barriers (default only
+      in the interpreter with more than one program, where a barrier would never open).
+    ``prefetch``: the routed experts' weights (and the shared down rows) are prefetched into L2 as soon as
+    the routing is known (``ops/l2_prefetch.py``); it changes no value. The barrier counter is kept per
+    device and left at 0. Raises ValueError as the reference, for programs < 1, and for a persistent launch
+    with more programs than SMs (the barriers need all of them resident) or more than one in the
+    interpreter."""
     _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group)
     E, D = router_w.shape
     I = w13.shape[1] // 2
@@ -310,16 +352,24 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     gs = torch.empty(2 * IS, dtype=x.dtype, device=dev)
     y = torch.empty(1, D, dtype=x.dtype, device=dev)
     bar = _barrier_counter(dev)
+    TK_P = triton.next_power_of_2(top_k)
+    rid = torch.empty(TK_P, dtype=torch.int64, device=dev)  # the routing launch's experts and weights per slot
+    rwt = torch.empty(TK_P, dtype=torch.float32, device=dev)
     gsz = E // n_group
     NG_P, GS_P = triton.next_power_of_2(n_group), triton.next_power_of_2(gsz)
     args = (x, router_w.contiguous(), bias if bias is not None else router_w, w13.contiguous(), w2.contiguous(),
             shared_w13.contiguous() if shared_w13 is not None else w13, shared_w2.contiguous() if shared_w2 is not None
-            else w2, part, g, gs, y, bar, D, I, IS, n_slices, float(routed_scaling_factor))
+            else w2, part, g, gs, y, bar, rid, rwt, D, I, IS, n_slices, float(routed_scaling_factor))
     meta = dict(E_P=E_P, N_GROUP=n_group, GROUP_SIZE=gsz, NG_P=NG_P, GS_P=GS_P, TOP_K=top_k, TOPK_GROUP=topk_group, HAS_BIAS=bias is not None,
                 RENORM=bool(norm_topk_prob), HAS_SHARED=shared_w13 is not None, I_P=triton.next_power_of_2(I),
                 IS_P=triton.next_power_of_2(IS), RK=ROUTER_SLICE, K_STEP=min(BLOCK_K, triton.next_power_of_2(D)),
-                NS_C=min(triton.next_power_of_2(n_slices), max(1, ROUTE_CHUNK // (NG_P * GS_P))), TK_P=triton.next_power_of_2(top_k), DOWN_ROWS=DOWN_BLOCK_ROWS, INTERPRET=interp,
+                NS_C=min(triton.next_power_of_2(n_slices), max(1, ROUTE_CHUNK // (NG_P * GS_P))), TK_P=TK_P, DOWN_ROWS=DOWN_BLOCK_ROWS, PREFETCH=bool(prefetch),
+                ELT=x.element_size(), NUM_WARPS=NUM_WARPS, INTERPRET=interp,
                 IDX_BITS=_IDX_BITS, num_warps=NUM_WARPS)
-    for phase in ((0, 1, 2) if phased else (3,)):
-        _moe_decode_kernel[(P,)](*args, PHASE=phase, **meta)
+    phases = (0, 4, 1, 2) if phased else (0, 4, 5) if route_launch else (3,)
+    for phase in phases:
+        if phase == 4:  # the routing: one program of one warp
+            _moe_decode_kernel[(1,)](*args, PHASE=4, **dict(meta, num_warps=1))
+        else:
+            _moe_decode_kernel[(P,)](*args, PHASE=phase, **meta)
     return y

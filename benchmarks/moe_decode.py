@@ -4,7 +4,8 @@ The engine's path before session 27 is ``MoE.forward`` with ``moe.ONE_TOKEN_KERN
 the routing kernel, the shared experts' GEMVs, alignment, two grouped GEMMs, activations, combine), with the
 shared experts' gate/up fused as the engine does; with it on (the default) ``MoE.forward`` runs the kernel.
 The kernel is ``layers/moe_decode_triton.moe_decode_triton``: its default three launches (phase 0, the
-routing, phases 1-2 with a grid barrier) with and without the L2 prefetch, the single persistent launch
+routing, phases 1-2 with a grid barrier) with and without the L2 prefetch and with two gate/up blocks per
+step (``gate_pair``), the single persistent launch
 (every program routes), and the four phase launches. Shapes are those of ``e2e_decode.py``'s DeepSeek-V3-shaped model:
 hidden 2048, 64 experts top-6 in 8 groups (4 kept), I 256, two shared experts, bf16.
 
@@ -64,6 +65,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="directory for moe_decode.json / .md")
     ap.add_argument("--layers", type=int, default=24, help="distinct layers in the timing ring (GPU)")
+    ap.add_argument("--variants", nargs="+", default=None, metavar="TEXT",
+                    help="time only the variants whose name contains one of these")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -87,10 +90,14 @@ def main() -> int:
         variants = {"engine MoE.forward, separate launches": separate,
                     "engine MoE.forward (one-token kernel)": lambda L: L[0](x),
                     "three launches, no L2 prefetch": lambda L: moe_decode_triton(x, *L[1], *route, prefetch=False),
+                    "three launches, two gate/up blocks per step": lambda L: moe_decode_triton(x, *L[1], *route,
+                                                                                               gate_pair=True),
                     "one launch (routing in every program)": lambda L: moe_decode_triton(x, *L[1], *route,
                                                                                          route_launch=False),
                     "four phase launches (no grid barrier)": lambda L: moe_decode_triton(x, *L[1], *route, phased=True)}
         for name, fn in variants.items():
+            if args.variants and not any(v in name for v in args.variants):
+                continue
             y = fn(layers[0])
             err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
             it = iter(range(1 << 30))

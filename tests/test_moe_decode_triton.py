@@ -5,12 +5,12 @@ the reference equals the engine's ``MoE`` layer (router, noaux_tc routing, route
   ``TRITON_INTERPRET=1`` (a subprocess: set before Triton is imported) in fp32 and fp16, in its three launch
   forms with one program (the default: phase 0, the routing launch, phases 1-2 with a barrier; the single
   persistent launch; with one program the barriers open at once, so their targets are checked only on the
-  GPU) and as phase launches of 1, 3 and 7 programs (the work split), with odd sizes (D 70, I 12), without
+  GPU) and as phase launches of 1, 3 and 7 programs (the work split; with 3, two gate/up blocks per step), with odd sizes (D 70, I 12), without
   shared experts, without bias, one group, top_k = E, a strided x and bias; refused inputs name the problem;
   where ``MoE.forward`` takes the kernel;
 - GPU (skipped without CUDA): bf16 at the DeepSeek-V3-shaped benchmark model's shapes (D 2048, 64 experts
   top-6 in 8 groups, I 256, two shared experts), each launch form against the reference, with and without
-  the L2 prefetch (bitwise equal), and 200 persistent calls over 4 inputs each bitwise equal to a one-program
+  the L2 prefetch and with two gate/up blocks per step (bitwise equal), and 200 persistent calls over 4 inputs each bitwise equal to a one-program
   call, for the default and the single launch (a stale read across a barrier would show); ``MoE.forward``
   on one token (three launches, equal to the separate launches, captured in a CUDA graph).
 Bounds: |y − ref| ≤ 1e-5 · max |ref| in fp32, 1e-3 in fp16 (sums in another order, one ulp of an intermediate
@@ -57,11 +57,11 @@ def _interpreter_check() -> dict:
         for dt in (torch.float32, torch.float16):
             args = _case(dt=dt, **kw)
             ref = moe_decode_ref(*args, *route)
-            for P, phased, rl in ((1, False, True), (1, False, False), (1, True, True), (3, True, True),
-                                  (7, True, True)):
-                y = moe_decode_triton(*args, *route, programs=P, phased=phased, route_launch=rl)
-                out[f"{name} {dt} P{P}{' phased' if phased else ''}{'' if rl else ' one launch'}"] = [_err(y, ref),
-                                                                                                 BOUND[dt]]
+            for P, phased, rl, gp in ((1, False, True, False), (1, False, False, False), (1, True, True, False),
+                                      (3, True, True, False), (7, True, True, False), (3, True, True, True)):
+                y = moe_decode_triton(*args, *route, programs=P, phased=phased, route_launch=rl, gate_pair=gp)
+                key = f"{name} {dt} P{P}{' phased' if phased else ''}{'' if rl else ' one launch'}{' pairs' if gp else ''}"
+                out[key] = [_err(y, ref), BOUND[dt]]
     # a strided x and bias (the kernel reads both as contiguous)
     x, rw, b, w13, w2, s13, s2 = _case()
     xs = torch.zeros(1, 2 * x.shape[1])
@@ -79,7 +79,7 @@ BOUND = {torch.float32: 1e-5, torch.float16: 1e-3}
 def test_kernel_equals_reference_interpreter():
     got = run_interpreted("import json, sys; sys.path.insert(0, 'tests'); import test_moe_decode_triton as t; "
                           "print('RESULT' + json.dumps(t._interpreter_check()))")
-    assert len(got) == len(CASES) * 2 * 5 + 1
+    assert len(got) == len(CASES) * 2 * 6 + 1
     bad = {k: v for k, (v, bound) in got.items() if not v <= bound}
     assert not bad, bad
 
@@ -141,6 +141,7 @@ def test_gpu_benchmark_model_shapes():
         y = moe_decode_triton(*args, *route, phased=phased, route_launch=rl)
         assert _err(y, ref) <= 2e-2
         assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, prefetch=False), y)
+        assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, gate_pair=True), y)
     # nothing depends on the grid: every persistent launch equals a one-program launch bitwise, call after call
     cases = [_case(D=2048, E=64, I=256, IS=512, dt=torch.bfloat16, device="cuda", seed=s) for s in range(4)]
     for rl in (True, False):  # the default three launches and the one launch

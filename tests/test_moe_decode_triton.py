@@ -5,12 +5,12 @@ the reference equals the engine's ``MoE`` layer (router, noaux_tc routing, route
   ``TRITON_INTERPRET=1`` (a subprocess: set before Triton is imported) in fp32 and fp16, in its three launch
   forms with one program (the default: phase 0, the routing launch, phases 1-2 with a barrier; the single
   persistent launch; with one program the barriers open at once, so their targets are checked only on the
-  GPU) and as phase launches of 1, 3 and 7 programs (the work split; with 3, two gate/up blocks per step), with odd sizes (D 70, I 12), without
+  GPU) and as phase launches of 1, 3 and 7 programs (the work split; with 3, two gate/up blocks per step and 16-row down blocks), with odd sizes (D 70, I 12), without
   shared experts, without bias, one group, top_k = E, a strided x and bias; refused inputs name the problem;
   where ``MoE.forward`` takes the kernel;
 - GPU (skipped without CUDA): bf16 at the DeepSeek-V3-shaped benchmark model's shapes (D 2048, 64 experts
   top-6 in 8 groups, I 256, two shared experts), each launch form against the reference, with and without
-  the L2 prefetch and with two gate/up blocks per step (bitwise equal), and 200 persistent calls over 4 inputs each bitwise equal to a one-program
+  the L2 prefetch and with two gate/up blocks per step (bitwise equal), with 16-row down blocks, and 200 persistent calls over 4 inputs each bitwise equal to a one-program
   call, for the default and the single launch (a stale read across a barrier would show); ``MoE.forward``
   on one token (three launches, equal to the separate launches, captured in a CUDA graph).
 Bounds: |y − ref| ≤ 1e-5 · max |ref| in fp32, 1e-3 in fp16 (sums in another order, one ulp of an intermediate
@@ -57,10 +57,13 @@ def _interpreter_check() -> dict:
         for dt in (torch.float32, torch.float16):
             args = _case(dt=dt, **kw)
             ref = moe_decode_ref(*args, *route)
-            for P, phased, rl, gp in ((1, False, True, False), (1, False, False, False), (1, True, True, False),
-                                      (3, True, True, False), (7, True, True, False), (3, True, True, True)):
-                y = moe_decode_triton(*args, *route, programs=P, phased=phased, route_launch=rl, gate_pair=gp)
-                key = f"{name} {dt} P{P}{' phased' if phased else ''}{'' if rl else ' one launch'}{' pairs' if gp else ''}"
+            for P, phased, rl, gp, dr in ((1, False, True, False, 4), (1, False, False, False, 4),
+                                          (1, True, True, False, 4), (3, True, True, False, 4), (7, True, True, False, 4),
+                                          (3, True, True, True, 16)):
+                y = moe_decode_triton(*args, *route, programs=P, phased=phased, route_launch=rl, gate_pair=gp,
+                                      down_rows=dr)
+                key = (f"{name} {dt} P{P}{' phased' if phased else ''}{'' if rl else ' one launch'}"
+                       f"{' pairs' if gp else ''} down_rows {dr}")
                 out[key] = [_err(y, ref), BOUND[dt]]
     # a strided x and bias (the kernel reads both as contiguous)
     x, rw, b, w13, w2, s13, s2 = _case()
@@ -127,6 +130,9 @@ def test_refused_inputs_name_the_problem():
         moe_decode_ref(x, rw, b, w13, w2, s13, s2, 5, 2, 1)
     with pytest.raises(ValueError, match="persistent launch"):
         moe_decode_triton(x, rw, b, w13, w2, s13, s2, *route, programs=3, phased=False)  # CPU: one program
+    for bad in (3, 0, 128, 4.0):
+        with pytest.raises(ValueError, match="down_rows must be a power of two"):
+            moe_decode_triton(x, rw, b, w13, w2, s13, s2, *route, down_rows=bad)
     with pytest.raises(ValueError, match="programs must be >= 1"):
         moe_decode_triton(x, rw, b, w13, w2, s13, s2, *route, programs=0, phased=True)
 
@@ -142,6 +148,7 @@ def test_gpu_benchmark_model_shapes():
         assert _err(y, ref) <= 2e-2
         assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, prefetch=False), y)
         assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, gate_pair=True), y)
+        assert _err(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, down_rows=16), ref) <= 2e-2
     # nothing depends on the grid: every persistent launch equals a one-program launch bitwise, call after call
     cases = [_case(D=2048, E=64, I=256, IS=512, dt=torch.bfloat16, device="cuda", seed=s) for s in range(4)]
     for rl in (True, False):  # the default three launches and the one launch

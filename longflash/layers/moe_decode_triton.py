@@ -14,7 +14,7 @@ weights, ~6 µs at the H200's copy rate. The work (``PHASE`` of the one kernel):
    the routing kernel's code, same keys and tie rule), and stores each slot's expert and weight;
 5. persistent (one program per SM): the chosen experts' weights are prefetched into L2
    (``ops/l2_prefetch.py``); phase 1, their gate/up rows in 8-row blocks spread over the programs; a grid
-   barrier (``longflash/ops/grid_sync.py``, ~1 µs); phase 2, every program owns DOWN_BLOCK_ROWS-row blocks
+   barrier (``longflash/ops/grid_sync.py``, ~1 µs); phase 2, every program owns ``down_rows``-row blocks
    of the output: ``y = Σ_s w_s · W2[e_s] · act(g_s) + W2_sh · act(g_sh)``, ``act(g) = silu(gate) · up``,
    each down product in fp32, one rounding at the end.
 PHASE 3 is all of it in one persistent launch (every program routes, three barriers); PHASEs 1 and 2 alone
@@ -64,7 +64,6 @@ def _barrier_counter(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 BLOCK_K = 2048  # hidden dims per step of the gate/up products: a block's 8 rows x 2048 (32 KB bf16) in one load
 NUM_WARPS = 8
-DOWN_BLOCK_ROWS = 4  # output rows per block of the down products: [8 slots, 4, 256] (sm_90: 8 rows spill)
 ROUTE_CHUNK = 2048  # router partials (fp32) summed per load: 8 per thread at 8 warps (sm_90: 8192 spill)
 
 
@@ -330,7 +329,8 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
                       w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
                       n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                       routed_scaling_factor: float = 1.0, *, programs: int | None = None,
-                      phased: bool | None = None, route_launch: bool = True, prefetch: bool = True, gate_pair: bool = False) -> torch.Tensor:
+                      phased: bool | None = None, route_launch: bool = True, prefetch: bool = True, gate_pair: bool = False,
+                      down_rows: int = 4) -> torch.Tensor:
     """Triton version of :func:`moe_decode_ref`: same arguments (any strides; x and the bias are made
     contiguous, the bias fp32) and result within the sums' order (fp32; in 16-bit dtypes an intermediate
     rounding may differ by an ulp).
@@ -347,10 +347,12 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     ``prefetch``: the routed experts' weights (and the shared down rows) are prefetched into L2 as soon as
     the routing is known (``ops/l2_prefetch.py``); it changes no value. ``gate_pair`` (a candidate, not yet
     timed; hidden sizes <= 2048 only): phase 1 takes two gate/up blocks per step, loading both before
-    reducing either, with x loaded once per program; same sums. The barrier counter is kept per
-    device and left at 0. Raises ValueError as the reference, for programs < 1, and for a persistent launch
-    with more programs than SMs (the barriers need all of them resident) or more than one in the
-    interpreter."""
+    reducing either, with x loaded once per program; same sums. ``down_rows``: output rows per block of
+    phase 2 (a power of two, 1..64; default 4, timed; a candidate 16 makes one block per program at hidden
+    2048: sm_90 compile 158 registers, no spills, with ``tt.divisibility`` as the JIT sees it; not yet timed).
+    The barrier counter is kept per device and left at 0. Raises ValueError as the reference, for
+    programs < 1, ``down_rows`` not a power of two in 1..64, and for a persistent launch with more programs
+    than SMs (the barriers need all of them resident) or more than one in the interpreter."""
     _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group)
     E, D = router_w.shape
     I = w13.shape[1] // 2
@@ -359,6 +361,8 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     P = programs if programs is not None else limit
     if P < 1:
         raise ValueError(f"programs must be >= 1, got {P}")
+    if not isinstance(down_rows, int) or down_rows < 1 or down_rows > 64 or down_rows & (down_rows - 1):
+        raise ValueError(f"down_rows must be a power of two in 1..64, got {down_rows!r}")
     phased = (P > 1 and interp) if phased is None else phased
     if not phased and P > limit:
         raise ValueError(f"a persistent launch takes 1..{limit} programs here (all resident for the grid "
@@ -386,7 +390,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     meta = dict(E_P=E_P, N_GROUP=n_group, GROUP_SIZE=gsz, NG_P=NG_P, GS_P=GS_P, TOP_K=top_k, TOPK_GROUP=topk_group, HAS_BIAS=bias is not None,
                 RENORM=bool(norm_topk_prob), HAS_SHARED=shared_w13 is not None, I_P=triton.next_power_of_2(I),
                 IS_P=triton.next_power_of_2(IS), RK=ROUTER_SLICE, K_STEP=min(BLOCK_K, triton.next_power_of_2(D)),
-                NS_C=min(triton.next_power_of_2(n_slices), max(1, ROUTE_CHUNK // (NG_P * GS_P))), TK_P=TK_P, DOWN_ROWS=DOWN_BLOCK_ROWS, PREFETCH=bool(prefetch),
+                NS_C=min(triton.next_power_of_2(n_slices), max(1, ROUTE_CHUNK // (NG_P * GS_P))), TK_P=TK_P, DOWN_ROWS=down_rows, PREFETCH=bool(prefetch),
                 GATE_PAIR=bool(gate_pair) and triton.next_power_of_2(D) <= BLOCK_K,
                 ELT=x.element_size(), NUM_WARPS=NUM_WARPS, INTERPRET=interp,
                 IDX_BITS=_IDX_BITS, num_warps=NUM_WARPS)

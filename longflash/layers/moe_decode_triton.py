@@ -27,14 +27,15 @@ Grid: at most one program per SM, and all of them must be resident at once for t
 not cooperative: a concurrent kernel holding SMs, e.g. NCCL on another stream or an MPS SM limit, could
 keep one waiting and hang the launch). ``phased`` runs each phase as its own launch instead (no barriers),
 which is how Triton's CPU interpreter (one program at a time) checks the work split with several programs.
-The kernel uses 8 warps (sm_90: no spills in PHASEs 0, 4 (1 warp), 5, 1, 2).
+The kernel uses 8 warps (sm_90, with the JIT's divisibility of the sizes: no spills in any PHASE; the routing
+launch 1 warp).
 Used by ``MoE.forward`` for one bf16/fp16 token on CUDA (``MoE.one_token_weights`` says where), as three
 launches (see :func:`moe_decode_triton`). Measured on an H200 (``benchmarks/results/moe_decode.h200.md``,
 session 27; CUDA-graph µs per call, one process): 30.0 against 37.9 for the engine's 12 launches (0.20 of the
 copy bandwidth); phase 0 4.4, the routing launch 5.3, phases 1-2 18.0 µs of device time. The single
-persistent launch takes 29-31 µs: every program routes there, ~7,000 instructions per warp at 8 warps
-(sm_90 SASS; 520 bytes of spills), and the four phase launches show phase 1 (gate/up, 12.6 MB) at 11.0 µs
-and phase 2 (down, 6.3 MB + 2 MB shared) at 8.7: neither is near the copy rate, the next thing to fix.
+persistent launch takes 29-31 µs (every program routes there; in phase launches that each routed, the routing
+cost ~4-6 µs per phase), and the four phase launches show phase 1 (gate/up, 12.6 MB) at 11.0 µs and phase 2
+(down, 6.3 MB + 2 MB shared) at 8.7: neither is near the copy rate, the next thing to fix.
 The L2 prefetch saves 5 µs in phases 1-2 of the three launches (23.2 -> 18.0). In the batch-1 decode graph
 of ``e2e_decode.py`` the kernel takes 1.965 -> 1.75 ms per step. Session 26's first form (a serial 128-step
 sum of the router partials in every program, 8 KB loads) took 38.9 µs.
@@ -339,8 +340,8 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     interpreter):
     - default (``route_launch``): three: phase 0 (router partials, shared gate/up; ``programs``), the routing
       (one program of one warp, which stores the chosen experts and weights), then phases 1 and 2 as one
-      persistent launch with one grid barrier. The routing's ~7,000 instructions per warp take ~10 µs when
-      all 8 warps of every program run them (sm_90 SASS, session 27) against ~2 µs for one warp;
+      persistent launch with one grid barrier: the routing runs once (measured 5.3 µs) instead of in both
+      phases (~4-6 µs each, session 27);
     - ``route_launch=False``: one persistent launch, every program routing after the first barrier;
     - ``phased``: phase 0, the routing, phase 1, phase 2, four launches without grid barriers (default only
       in the interpreter with more than one program, where a barrier would never open).

@@ -483,7 +483,9 @@ def main() -> int:
                     help="after the default run, run longflash (CUDA graphs) with these switched off, each a row "
                          "of its own: "
                          "'cublas' = every few-row GEMM on cuBLAS (longflash.layers.gemv.enabled = False), "
-                         "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False)")
+                         "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False), "
+                         "'moe-launches' = one-token MoE sub-layers as separate launches instead of the one-token "
+                         "kernel (longflash.layers.moe.ONE_TOKEN_KERNEL = False; CUDA only, on the CPU the same path)")
     ap.add_argument("--repeat-default", action="store_true",
                     help="after the baselines, run the default configuration once more (longflash_again): "
                          "the drift between runs in one process")

@@ -48,7 +48,8 @@ def kernel_times(fn, calls: int = 24) -> list[tuple[str, float]] | None:
     """Device time per call of each GPU kernel ``fn`` launches, in µs: ``fn(i)`` for i in 0..calls-1
     (eager, under the torch profiler; pass a ring of inputs so weights come from HBM as in a real step),
     each kernel's summed time / ``calls``, in launch order of the first call (names cut at 60 characters;
-    a kernel launched more than once per call gets one entry per launch, ``name #1``, ``name #2``, ...).
+    a kernel launched more than once per call gets one entry per launch, ``name #1``, ``name #2``, ...; when
+    the profiled events are not a multiple of ``calls``, repeated kernels are merged into one entry).
     Profiled kernels run without the launch gaps a dependency adds, so the sum is below the graph time.
     None off CUDA or when the profiler fails (informative only)."""
     if not torch.cuda.is_available():

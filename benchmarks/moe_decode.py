@@ -5,8 +5,9 @@ the routing kernel, the shared experts' GEMVs, alignment, two grouped GEMMs, act
 shared experts' gate/up fused as the engine does; with it on (the default) ``MoE.forward`` runs the kernel.
 The kernel is ``layers/moe_decode_triton.moe_decode_triton``: its default three launches (phase 0, the
 routing, phases 1-2 with a grid barrier) with and without the L2 prefetch and with two gate/up blocks per
-step (``gate_pair``) and 16-row down blocks (``down_rows``), the single persistent launch
-(every program routes), and the four phase launches. Shapes are those of ``e2e_decode.py``'s DeepSeek-V3-shaped model:
+step (``gate_pair``) and 16-row down blocks (``down_rows``), the single persistent launch (every program
+routes) with and without the prefetch, and the four phase launches. On the CPU (a smoke run) ``MoE.forward``
+takes its CPU path in both engine rows. Shapes are those of ``e2e_decode.py``'s DeepSeek-V3-shaped model:
 hidden 2048, 64 experts top-6 in 8 groups (4 kept), I 256, two shared experts, bf16.
 
 Each is checked against ``moe_decode_ref`` and timed as CUDA-graph replays (``gpu_timing.graph_seconds``)
@@ -90,6 +91,8 @@ def main() -> int:
         variants = {"engine MoE.forward, separate launches": separate,
                     "engine MoE.forward (one-token kernel)": lambda L: L[0](x),
                     "three launches, no L2 prefetch": lambda L: moe_decode_triton(x, *L[1], *route, prefetch=False),
+                    "one launch, no L2 prefetch": lambda L: moe_decode_triton(x, *L[1], *route, route_launch=False,
+                                                                              prefetch=False),
                     "three launches, two gate/up blocks per step": lambda L: moe_decode_triton(x, *L[1], *route,
                                                                                                gate_pair=True),
                     "three launches, 16-row down blocks": lambda L: moe_decode_triton(x, *L[1], *route, down_rows=16),
@@ -123,7 +126,9 @@ def main() -> int:
         frac = "" if r["copy_fraction"] is None else f"{r['copy_fraction']:.3f}"
         launches = "" if r["launches"] is None else r["launches"]
         lines.append(f"| {r['variant']} | {r['us']:.1f} | {launches} | {frac} | {r['rel_err']:.1e} |")
-    lines += ["", "Device time per call of each kernel (torch profiler, eager, the same ring of layers; no launch gaps):", ""]
+    if any(r["kernels_us"] for r in res["rows"]):
+        lines += ["", "Device time per call of each kernel (torch profiler, eager, the same ring of layers; no launch "
+                  "gaps):", ""]
     for r in res["rows"]:
         if r["kernels_us"]:
             lines.append(f"- {r['variant']}: " + "; ".join(f"`{k}` {v:.1f}" for k, v in r["kernels_us"]))

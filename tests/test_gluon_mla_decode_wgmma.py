@@ -98,7 +98,7 @@ def test_resolve_config(monkeypatch):
         assert use and cfg == dict(tk.GLUON_FP8_CONFIG, WGMMA=sm90)
     for bad, key in (({"WGMMA": True, "BLOCK_N": 32}, "BLOCK_N 32"), ({"WGMMA": True, "num_warps": 8}, "num_warps 8"),
                      ({"WGMMA": True, "maxnreg": 168}, "maxnreg 168")):
-        with pytest.raises(ValueError, match=f"wgmma decode tile: {key}"):
+        with pytest.raises(ValueError, match=rf"wgmma decode tile \(WGMMA=True was asked\): {key}"):
             tk.resolve_config(q, cache, 512, 1, bad)
     with pytest.raises(ValueError, match="WGMMA must be True or False"):
         tk.resolve_config(q, cache, 512, 1, {"WGMMA": "yes"})

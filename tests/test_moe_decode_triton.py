@@ -76,6 +76,8 @@ def _interpreter_check() -> dict:
     return out
 
 
+# (no bf16 under the interpreter: Triton 3.6's interpreter rounds fp32 -> bf16 toward zero, the GPU and torch to
+# nearest, so a bf16 comparison there can differ by whole bf16 ulps; bf16 is checked on the GPU)
 BOUND = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 
@@ -130,11 +132,12 @@ def test_refused_inputs_name_the_problem():
         moe_decode_ref(x, rw, b, w13, w2, s13, s2, 5, 2, 1)
     with pytest.raises(ValueError, match="persistent launch"):
         moe_decode_triton(x, rw, b, w13, w2, s13, s2, *route, programs=3, phased=False)  # CPU: one program
-    for bad in (3, 0, 128, 4.0):
+    for bad in (3, 0, 128, 4.0, True):
         with pytest.raises(ValueError, match="down_rows must be a power of two"):
             moe_decode_triton(x, rw, b, w13, w2, s13, s2, *route, down_rows=bad)
-    with pytest.raises(ValueError, match="programs must be >= 1"):
-        moe_decode_triton(x, rw, b, w13, w2, s13, s2, *route, programs=0, phased=True)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="programs must be an int >= 1"):
+            moe_decode_triton(x, rw, b, w13, w2, s13, s2, *route, programs=bad, phased=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -181,7 +184,8 @@ def _moe_layer(D, E, I, dt, device):
 
 def test_one_token_path_applies_only_where_it_can(monkeypatch):
     """``MoE.one_token_weights`` (the one-token kernel path of ``MoE.forward``) says no on the CPU, for two tokens,
-    fp32, under autograd, and with the module switch off; the CPU forward is unchanged."""
+    fp32, under autograd, with the module switch off, shared experts in another dtype and a transposed shared
+    weight; the CPU forward is unchanged."""
     from longflash.layers import moe as moe_mod
     layer = _moe_layer(32, 8, 16, torch.bfloat16, "cpu")
     x = torch.randn(1, 32, dtype=torch.bfloat16)
@@ -195,7 +199,10 @@ def test_one_token_path_applies_only_where_it_can(monkeypatch):
         assert layer.one_token_weights(x) is None
         monkeypatch.setattr(moe_mod, "ONE_TOKEN_KERNEL", True)
         assert layer.one_token_weights(x) is not None
-        layer.shared_experts.gate_up_weight = layer.shared_experts.gate_up_weight.t().contiguous().t()
+        sw = layer.shared_experts.gate_up_weight
+        layer.shared_experts.gate_up_weight = sw.float()
+        assert layer.one_token_weights(x) is None  # shared experts in another dtype than x
+        layer.shared_experts.gate_up_weight = sw.t().contiguous().t()
         assert layer.one_token_weights(x) is None  # a transposed (cuBLAS-layout) shared weight: not here
     assert layer.one_token_weights(x) is None  # autograd on
 

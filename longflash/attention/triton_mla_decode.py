@@ -379,9 +379,11 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     support (BLOCK_N not 32/64, num_stages < 2, num_warps not 4 or 8 (8 only with BLOCK_N 64), BLOCK_M not
     16), each naming the key. A Gluon tile of 8 warps without ``maxnreg`` gets occupancy 1 unless ``config``
     sets it. ``WGMMA`` (a bool, else ValueError) asks for the sm_90 wgmma stage 1: it needs BLOCK_N 64, 4
-    warps and no ``maxnreg`` (ValueError naming the key otherwise), stays set only on a compute capability
-    9.0 device (elsewhere the mma.sync Gluon kernel runs), takes occupancy 1 at more than 2 stages unless
-    ``config`` sets it, and is dropped when the Triton kernel runs."""
+    warps and no ``maxnreg`` (ValueError naming the key when ``config`` sets WGMMA=True; a default's WGMMA
+    is dropped instead), stays set only on a compute capability 9.0 device (elsewhere the mma.sync Gluon
+    kernel runs), and is dropped when the Triton kernel runs. A Gluon tile buffering more than 128 cache rows
+    (num_stages x BLOCK_N; e.g. 3 x 64: 131 KB of shared memory in the sm_90 compile reports) gets occupancy 1
+    unless ``config`` sets it."""
     fp8 = kv_cache.dtype == FP8_DTYPE
     H = q.shape[1]
     rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
@@ -418,10 +420,10 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
         if bad and "WGMMA" not in user:  # the default's WGMMA under a caller's other tile: the mma.sync kernel
             cfg["WGMMA"], bad = False, []
         if bad:
-            raise ValueError("the Gluon wgmma decode tile: " + "; ".join(bad))
+            raise ValueError("the Gluon wgmma decode tile (WGMMA=True was asked): " + "; ".join(bad))
         cfg["WGMMA"] = cfg["WGMMA"] and _wgmma_runs_on(_cuda_index(q.device))
-        if cfg["WGMMA"] and "occupancy" not in user:
-            cfg["occupancy"] = 2 if cfg["num_stages"] == 2 else 1  # 94 KB of shared memory at 2 stages, 131 KB at 3
+    if cfg["num_stages"] * cfg["BLOCK_N"] > 128 and "occupancy" not in user:
+        cfg["occupancy"] = 1  # both Gluon forms: > 128 buffered rows of 576 fp8 bytes leave one program per SM
     if cfg["num_warps"] == 8 and not cfg.get("maxnreg") and "occupancy" not in user:
         cfg["occupancy"] = 1  # 168 registers x 256 threads: one program per SM (sm_90 compile report)
     return cfg, use_gluon

@@ -195,7 +195,8 @@ class MoE(nn.Module):
         the one-token kernel does not apply: ``ONE_TOKEN_KERNEL`` off, not exactly one bf16/fp16 CUDA token,
         autograd on, packed experts, a latent projection, tensor parallelism or any multi-process group (its
         grid barriers need every SM; a collective on another stream could hold some), softmax scoring, an
-        activation other than SiLU, an fp32-less router, unfused or non-contiguous shared weights."""
+        activation other than SiLU, an fp32-less router, experts or shared experts in another dtype than x, unfused or
+        non-contiguous shared weights."""
         if not (ONE_TOKEN_KERNEL and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
                 and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()):
             return None
@@ -212,7 +213,7 @@ class MoE(nn.Module):
                                or not sh.gate_up_weight.is_contiguous() or not sh.down_proj.weight.is_contiguous()):
             return None
         w13, w2 = self.stack_experts()
-        if w13.dtype != x.dtype:
+        if w13.dtype != x.dtype or (sh is not None and {sh.gate_up_weight.dtype, sh.down_proj.weight.dtype} != {x.dtype}):
             return None
         return (self.gate.weight, self.gate.e_score_correction_bias, w13, w2,
                 sh.gate_up_weight if sh is not None else None, sh.down_proj.weight if sh is not None else None)

@@ -352,7 +352,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     phase 2 (a power of two, 1..64; default 4, timed; a candidate 16 makes one block per program at hidden
     2048: sm_90 compile 158 registers, no spills, with ``tt.divisibility`` as the JIT sees it; not yet timed).
     The barrier counter is kept per device and left at 0. Raises ValueError as the reference, for
-    programs < 1, ``down_rows`` not a power of two in 1..64, and for a persistent launch with more programs
+    ``programs`` not an int >= 1, ``down_rows`` not a power of two in 1..64, and for a persistent launch with more programs
     than SMs (the barriers need all of them resident) or more than one in the interpreter."""
     _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group)
     E, D = router_w.shape
@@ -360,9 +360,10 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     interp = interpreting() or not x.is_cuda
     limit = 1 if interp else sm_count(x.device)
     P = programs if programs is not None else limit
-    if P < 1:
-        raise ValueError(f"programs must be >= 1, got {P}")
-    if not isinstance(down_rows, int) or down_rows < 1 or down_rows > 64 or down_rows & (down_rows - 1):
+    if not isinstance(P, int) or isinstance(P, bool) or P < 1:
+        raise ValueError(f"programs must be an int >= 1, got {P!r}")
+    if not isinstance(down_rows, int) or isinstance(down_rows, bool) or down_rows < 1 or down_rows > 64 \
+            or down_rows & (down_rows - 1):
         raise ValueError(f"down_rows must be a power of two in 1..64, got {down_rows!r}")
     phased = (P > 1 and interp) if phased is None else phased
     if not phased and P > limit:

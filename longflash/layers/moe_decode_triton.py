@@ -49,32 +49,26 @@ import triton.language as tl
 
 from longflash.layers.moe import check_routing_args, topk_routing
 from longflash.layers.moe_router_triton import _IDX_BITS, route_scores
-from longflash.ops.grid_sync import grid_arrive, grid_reset_if_last, grid_wait
+from longflash.ops.grid_sync import barrier_counter, grid_arrive, grid_reset_if_last, grid_wait
 from longflash.ops.l2_prefetch import prefetch_l2
 from longflash.ops.triton_env import interpreting, sm_count
 
 ROUTER_SLICE = 64  # hidden dims per router partial: 32 partials at D 2048, summed in one load
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _barrier_counter(device: torch.device) -> torch.Tensor:
-    """The grid barrier's int32 counter on ``device``, made (zeroed) once: each persistent launch leaves it at
-    0 (``grid_reset_if_last``), so reusing it costs no memset launch. Launches on one stream only."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 BLOCK_K = 2048  # hidden dims per step of the gate/up products: a block's 8 rows x 2048 (32 KB bf16) in one load
 NUM_WARPS = 8
 ROUTE_CHUNK = 2048  # router partials (fp32) summed per load: 8 per thread at 8 warps (sm_90: 8192 spill)
 
 
 @triton.jit
-def _silu_mul(g_ptr, I, I_P: tl.constexpr, OUT_DT: tl.constexpr):
-    """act(g) = silu(g[:I]) * g[I:2I] in fp32, rounded to OUT_DT: [I_P] (0 past I)."""
-    i = tl.arange(0, I_P)
-    gate = tl.load(g_ptr + i, mask=i < I, other=0.0).to(tl.float32)
-    up = tl.load(g_ptr + I + i, mask=i < I, other=0.0).to(tl.float32)
+def _silu_mul(gate, up, OUT_DT: tl.constexpr):
+    """act = silu(gate) * up (fp32 tensors of one shape), rounded to OUT_DT and returned as fp32."""
     return (gate / (1.0 + tl.exp(-gate)) * up).to(OUT_DT).to(tl.float32)
+
+
+@triton.jit
+def _slot_expert(eid, k, slot):
+    """The expert id (int64 scalar) in ``slot`` of ``eid`` [TK_P] (``k`` = arange(0, TK_P))."""
+    return tl.sum(tl.where(k == slot, eid, 0), axis=0)
 
 
 @triton.jit
@@ -183,10 +177,10 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
         # every byte the next phases read, into L2 while this phase computes: the chosen experts' gate/up
         # rows (phase 1), then their down rows (phase 2); the grid splits each range
         for t in tl.static_range(TOP_K):
-            prefetch_l2(w13_ptr + tl.sum(tl.where(k == t, eid, 0), axis=0) * (2 * I) * D, 2 * I * D * ELT, pid, P,
+            prefetch_l2(w13_ptr + _slot_expert(eid, k, t) * (2 * I) * D, 2 * I * D * ELT, pid, P,
                         32 * NUM_WARPS, INTERPRET)
         for t in tl.static_range(TOP_K):
-            prefetch_l2(w2_ptr + tl.sum(tl.where(k == t, eid, 0), axis=0) * D * I, D * I * ELT, pid, P,
+            prefetch_l2(w2_ptr + _slot_expert(eid, k, t) * D * I, D * I * ELT, pid, P,
                         32 * NUM_WARPS, INTERPRET)
     if (PHASE == 1) | (PHASE == 3) | (PHASE == 5):
         # the chosen experts' gate/up rows: TOP_K x 2I rows in blocks of 8, spread over the programs
@@ -202,8 +196,8 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
                 r = (b % blocks) * 8 + tl.arange(0, 8)
                 r2 = (b2 % blocks) * 8 + tl.arange(0, 8)
                 ok2 = (r2 < 2 * I) & (b2 < TOP_K * blocks)
-                e = tl.sum(tl.where(k == sl, eid, 0), axis=0)
-                e2 = tl.sum(tl.where(k == sl2, eid, 0), axis=0)
+                e = _slot_expert(eid, k, sl)
+                e2 = _slot_expert(eid, k, sl2)
                 w = tl.load(w13_ptr + e * (2 * I) * D + r[:, None].to(tl.int64) * D + kk[None, :],
                             mask=(r < 2 * I)[:, None] & (kk < D)[None, :], other=0.0)
                 w2 = tl.load(w13_ptr + e2 * (2 * I) * D + r2[:, None].to(tl.int64) * D + kk[None, :],
@@ -215,7 +209,7 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
                 b += 2 * P
         while b < TOP_K * blocks:  # (GATE_PAIR: b is past the end here)
             sl = b // blocks
-            e = tl.sum(tl.where(k == sl, eid, 0), axis=0)
+            e = _slot_expert(eid, k, sl)
             r = (b % blocks) * 8 + tl.arange(0, 8)
             v = _rows_times_x(w13_ptr + e * (2 * I) * D, (b % blocks) * 8, 2 * I, x_ptr, D, K_STEP, INTERPRET)
             tl.store(g_ptr + sl * (2 * I) + r, v.to(DT), mask=r < 2 * I)
@@ -227,19 +221,20 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
             before = grid_arrive(bar_ptr)
             grid_wait(bar_ptr, P)
     if (PHASE == 2) | (PHASE == 3) | (PHASE == 5):
-        # output rows: the weighted down products of the chosen experts plus the shared experts'; per 8-row
-        # block of DOWN_ROWS rows one gathered load of the TOP_K experts' rows [TK_P, DOWN_ROWS, I_P] (all in flight)
+        # output rows: the weighted down products of the chosen experts plus the shared experts'; per block of
+        # DOWN_ROWS rows one gathered load of the TOP_K experts' rows [TK_P, DOWN_ROWS, I_P] (all in flight)
         i = tl.arange(0, I_P)
         hm = (k < TOP_K)[:, None] & (i < I)[None, :]
         gp = g_ptr + k[:, None] * (2 * I) + i[None, :]
         gate = tl.load(gp, mask=hm, other=0.0).to(tl.float32)
         up = tl.load(gp + I, mask=hm, other=0.0).to(tl.float32)
-        h = (gate / (1.0 + tl.exp(-gate)) * up).to(DT).to(tl.float32)  # [TK_P, I_P] act(g) of each slot
+        h = _silu_mul(gate, up, DT)  # [TK_P, I_P] act(g) of each slot
         w2_base = w2_ptr + eid[:, None, None] * D * I + i[None, None, :]
         w2_mask = ((k < TOP_K)[:, None] & (i < I)[None, :])[:, None, :]
         if HAS_SHARED:
             js = tl.arange(0, IS_P)
-            hs = _silu_mul(gs_ptr, IS, IS_P, DT)
+            hs = _silu_mul(tl.load(gs_ptr + js, mask=js < IS, other=0.0).to(tl.float32),
+                           tl.load(gs_ptr + IS + js, mask=js < IS, other=0.0).to(tl.float32), DT)
         b = pid
         while b < tl.cdiv(D, DOWN_ROWS):
             r = b * DOWN_ROWS + tl.arange(0, DOWN_ROWS)
@@ -380,7 +375,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     g = torch.empty(top_k, 2 * I, dtype=x.dtype, device=dev)
     gs = torch.empty(2 * IS, dtype=x.dtype, device=dev)
     y = torch.empty(1, D, dtype=x.dtype, device=dev)
-    bar = _barrier_counter(dev)
+    bar = barrier_counter(dev)
     TK_P = triton.next_power_of_2(top_k)
     rid = torch.empty(TK_P, dtype=torch.int64, device=dev)  # the routing launch's experts and weights per slot
     rwt = torch.empty(TK_P, dtype=torch.float32, device=dev)

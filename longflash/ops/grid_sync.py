@@ -24,8 +24,20 @@ the other, so a barrier with more than one program would never open; launchers r
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def barrier_counter(device: torch.device) -> torch.Tensor:
+    """A barrier counter (int32 [1]) on ``device``, made (zeroed) once and shared by the persistent launches
+    on it: every launch that follows the protocol leaves it at 0 (:func:`grid_reset_if_last`), so reusing it
+    costs no memset launch. Launches that share it must run one after the other (one stream)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 @triton.jit

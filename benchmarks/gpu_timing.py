@@ -64,11 +64,11 @@ def kernel_times(fn, calls: int = 24) -> list[tuple[str, float]] | None:
         evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
         per_call = len(evs) // calls if len(evs) % calls == 0 else 0
+        first = [x.name[:60] for x in evs[:per_call]]  # the first call's launches, in order
         tot: dict[str, float] = {}
         for i, e in enumerate(evs):
             name = e.name[:60]
             if per_call:  # the same launches every call: a kernel launched twice per call gets two entries
-                first = [x.name[:60] for x in evs[:per_call]]
                 if first.count(name) > 1:
                     name = f"{name} #{first[:i % per_call + 1].count(name)}"
             tot[name] = tot.get(name, 0.0) + e.device_time_total

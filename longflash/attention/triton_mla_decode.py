@@ -322,9 +322,9 @@ def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stri
 
 
 # fp8 cache, <= 16 query rows, on a GPU that runs it: the Gluon stage 1 (``gluon_mla_decode``; BLOCK_N cache
-# rows per step, num_stages cp.async buffers, 4 warps; on sm_90 its wgmma form, ``gluon_mla_decode_wgmma``). Where it cannot run (CPU interpreter, widths other
-# than 512 + 64, no sm_89+) the Triton tile below takes its place (``resolve_config``); fp32 queries take
-# the 16-row bf16 tile.
+# rows per step, num_stages cp.async buffers, 4 warps; on sm_90 its wgmma form, ``gluon_mla_decode_wgmma``).
+# Where it cannot run (CPU interpreter, widths other than 512 + 64, no sm_89+) the Triton tile below takes its
+# place (``resolve_config``); fp32 queries take the 16-row bf16 tile.
 GLUON_FP8_CONFIG = {"GLUON": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False,
                     "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2, "WGMMA": True}
 TRITON_FP8_CONFIG = {"GLUON": False, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,

@@ -57,9 +57,9 @@ def _interpreter_check() -> dict:
         for dt in (torch.float32, torch.float16):
             args = _case(dt=dt, **kw)
             ref = moe_decode_ref(*args, *route)
-            for P, phased, rl, gp, dr in ((1, False, True, False, 4), (1, False, False, False, 4),
-                                          (1, True, True, False, 4), (3, True, True, False, 4), (7, True, True, False, 4),
-                                          (3, True, True, True, 16)):
+            for P, phased, rl, gp, dr in ((1, False, True, False, 16), (1, False, False, False, 16),
+                                          (1, True, True, False, 16), (3, True, True, False, 16),
+                                          (7, True, True, False, 16), (3, True, True, True, 4)):
                 y = moe_decode_triton(*args, *route, programs=P, phased=phased, route_launch=rl, gate_pair=gp,
                                       down_rows=dr)
                 key = (f"{name} {dt} P{P}{' phased' if phased else ''}{'' if rl else ' one launch'}"
@@ -151,7 +151,7 @@ def test_gpu_benchmark_model_shapes():
         assert _err(y, ref) <= 2e-2
         assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, prefetch=False), y)
         assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, gate_pair=True), y)
-        assert _err(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, down_rows=16), ref) <= 2e-2
+        assert _err(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, down_rows=4), ref) <= 2e-2
     # nothing depends on the grid: every persistent launch equals a one-program launch bitwise, call after call
     cases = [_case(D=2048, E=64, I=256, IS=512, dt=torch.bfloat16, device="cuda", seed=s) for s in range(4)]
     for rl in (True, False):  # the default three launches and the one launch

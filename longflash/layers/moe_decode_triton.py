@@ -32,7 +32,8 @@ launch 1 warp).
 Used by ``MoE.forward`` for one bf16/fp16 token on CUDA (``MoE.one_token_weights`` says where), as three
 launches (see :func:`moe_decode_triton`). Measured on an H200 (``benchmarks/results/moe_decode.h200.md``,
 session 27; CUDA-graph µs per call, one process): 30.0 against 37.9 for the engine's 12 launches (0.20 of the
-copy bandwidth); phase 0 4.4, the routing launch 5.3, phases 1-2 18.0 µs of device time. The single
+copy bandwidth); phase 0 4.4, the routing launch 5.3, phases 1-2 18.0 µs of device time; with 16-row down
+blocks (the default since session 28) 27.8 µs, phases 1-2 16.0. The single
 persistent launch takes 29-31 µs (every program routes there; in phase launches that each routed, the routing
 cost ~4-6 µs per phase), and the four phase launches show phase 1 (gate/up, 12.6 MB) at 11.0 µs and phase 2
 (down, 6.3 MB + 2 MB shared) at 8.7: neither is near the copy rate, the next thing to fix.
@@ -326,7 +327,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
                       n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                       routed_scaling_factor: float = 1.0, *, programs: int | None = None,
                       phased: bool | None = None, route_launch: bool = True, prefetch: bool = True, gate_pair: bool = False,
-                      down_rows: int = 4) -> torch.Tensor:
+                      down_rows: int = 16) -> torch.Tensor:
     """Triton version of :func:`moe_decode_ref`: same arguments (any strides; x and the bias are made
     contiguous, the bias fp32) and result within the sums' order (fp32; in 16-bit dtypes an intermediate
     rounding may differ by an ulp).
@@ -343,9 +344,10 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     ``prefetch``: the routed experts' weights (and the shared down rows) are prefetched into L2 as soon as
     the routing is known (``ops/l2_prefetch.py``); it changes no value. ``gate_pair`` (a candidate, not yet
     timed; hidden sizes <= 2048 only): phase 1 takes two gate/up blocks per step, loading both before
-    reducing either, with x loaded once per program; same sums. ``down_rows``: output rows per block of
-    phase 2 (a power of two, 1..64; default 4, timed; a candidate 16 makes one block per program at hidden
-    2048: sm_90 compile 158 registers, no spills, with ``tt.divisibility`` as the JIT sees it; not yet timed).
+    reducing either, with x loaded once per program; same sums; measured slower, 18.7 against 18.0 µs for
+    phases 1-2, session 28). ``down_rows``: output rows per block of phase 2 (a power of two, 1..64; default 16,
+    one block per program at hidden 2048: phases 1-2 16.0 µs against 18.0 with 4 rows, session 28; sm_90
+    compile 158 registers, no spills).
     The barrier counter is kept per device and left at 0. Raises ValueError as the reference, for
     ``programs`` not an int >= 1, ``down_rows`` not a power of two in 1..64, and for a persistent launch with more programs
     than SMs (the barriers need all of them resident) or more than one in the interpreter."""

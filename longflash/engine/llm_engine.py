@@ -21,7 +21,8 @@ from longflash.models.loader import load_model
 from longflash.outputs import CompletionOutput, RequestOutput
 from longflash.runner.cuda_graph import prepare_uniform_model
 from longflash.runner.model_runner import ModelRunner
-from longflash.runner.sampler import compute_logprobs, needs_logits_processing, process_logits, sample_token
+from longflash.runner.sampler import (compute_logprobs, needs_logits_processing, process_logits, row_argmax,
+                                      sample_token)
 from longflash.sampling_params import RequestOutputKind, SamplingParams
 from longflash.spec_decode.draft_mask import draft_mask
 
@@ -679,7 +680,7 @@ class LLMEngine:
         # NOTE: the step's only device -> host sync on the decode path: every row's argmax at once
         # (greedy requests), instead of one read per sampled token.
         greedy = res.chain.greedy_ids if res.chain is not None else (
-            res.logits.argmax(dim=-1).tolist()
+            row_argmax(res.logits).tolist()
             if any(self._plain_greedy(s.seq) for s in sched.scheduled) and res.logits.shape[0] else None)
         outputs = []
         now = time.time()

@@ -14,6 +14,18 @@ from longflash.outputs import Logprob
 from longflash.sampling_params import SamplingParams
 
 
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Every row's argmax, ``torch.argmax(logits, dim=-1)`` ([B, V] -> [B] int64; the first index of the
+    maximum, a NaN counting as the maximum): on CUDA for a [B, V] fp32/fp16/bf16 tensor with a contiguous last
+    dim the two-launch Triton kernel (``argmax_triton``: PyTorch reads a row with one SM, 28 µs at batch 1 for a
+    129,280-token vocabulary on an H200), else ``torch.argmax``."""
+    if logits.is_cuda and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1 \
+            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        from longflash.runner.argmax_triton import argmax_triton
+        return argmax_triton(logits)
+    return torch.argmax(logits, dim=-1)
+
+
 def needs_logits_processing(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when ``process_logits`` changes this request's logits at its next position: a penalty is
     set, or fewer than ``min_tokens`` output tokens exist. False keeps the plain (free) path."""

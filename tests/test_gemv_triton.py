@@ -96,44 +96,7 @@ def _interpreter_check() -> dict:
         tiles[f"kn N{bn} K{bk} w{nw}"] = _error(x, wkn, gemv_triton(x, wkn, config=GemvConfig(bn, bk, nw)),
                                                 gemv_ref(x, wkn))
     res["tiles"] = tiles
-    res["prenorm"] = _prenorm_run(gemv_triton)
     return res
-
-
-def _prenorm_cases():
-    """(key, x, w, PreNorm) for the GEMV with the RMSNorm (and residual add) in its prologue."""
-    from longflash.layers.norm import PreNorm
-    g = torch.Generator().manual_seed(5)
-    for dt in (torch.float32, torch.float16):
-        for M, N, K, res, tile in ((1, 37, 100, True, None), (2, 64, 256, False, None), (3, 20, 700, True, None),
-                                   (1, 40, 2048, True, None), (2, 9, 300, True, (2, 64, 2))):
-            x = (torch.randn(M, K + 6, generator=g) * 3)[:, 3:K + 3].to(dt)  # a strided view
-            w = torch.randn(N, K, generator=g).to(dt)
-            nw = (1 + 0.3 * torch.randn(K, generator=g)).to(dt)
-            r = torch.randn(M, K, generator=g).to(dt) if res else None
-            yield f"{dt}-M{M}-N{N}-K{K}{'-res' if res else ''}{'-tile' if tile else ''}", x, w, \
-                PreNorm(nw, 1e-6, r), tile
-
-
-def _prenorm_run(fn) -> dict:
-    """{key: {"err": max |y - ref| over the plain bound (<= 1 passes), "residual": residual_out == x + residual}}.
-    The reference's normalized x is fp32 (not rounded to the dtype), as the kernel's: only the order of the
-    fp32 sums differs, so the plain bound holds, with |x| the normalized x."""
-    from longflash.layers.gemv_triton import GemvConfig
-    out = {}
-    for key, x, w, pre, tile in _prenorm_cases():
-        r_ref = torch.empty_like(x) if pre.residual is not None else None
-        r_out = torch.full_like(x, 7.0) if pre.residual is not None else None
-        ref = gemv_ref(x, w, prenorm=pre, residual_out=r_ref)
-        kw = {"config": GemvConfig(*tile)} if tile else {}
-        y = fn(x, w, prenorm=pre, residual_out=r_out, **kw)
-        xn = pre.normalized_fp32(x, torch.empty_like(x) if pre.residual is not None else None)
-        eps = torch.finfo(x.dtype).eps
-        mag = torch.matmul(xn.abs(), w.float().abs().t())
-        bound = 4 * x.shape[-1] * torch.finfo(torch.float32).eps * mag + eps * ref.float().abs() + 1e-30
-        out[key] = {"err": float(((y.float() - ref.float()).abs() / bound).max()),
-                    "residual": bool(r_out is None or torch.equal(r_out, r_ref))}
-    return out
 
 
 def _check(res: dict) -> None:
@@ -153,8 +116,6 @@ def test_gemv_triton_equals_reference_interpreter():
     assert len(got["cases"]) == len(list(_cases()))
     _check(got["cases"])
     assert got["tiles"] and all(e <= 1.0 for e in got["tiles"].values()), got["tiles"]
-    assert len(got["prenorm"]) == len(list(_prenorm_cases()))
-    assert all(r["err"] <= 1.0 and r["residual"] for r in got["prenorm"].values()), got["prenorm"]
 
 
 def test_reference_and_dispatch_on_the_cpu():
@@ -261,36 +222,6 @@ def test_gemv_triton_gpu_model_shapes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gemv_triton_gpu_prenorm():
-    """bf16 with the RMSNorm folded in at the benchmark model's shapes (qkv_a with the residual add, q_b
-    without; 1 and 2 rows): within the plain bound of the reference, residual_out equal to the reference's,
-    and ``gemv.linear_prenorm`` runs the kernel (one launch)."""
-    from longflash.layers.gemv_triton import gemv_triton
-    from longflash.layers.norm import PreNorm
-    g = torch.Generator(device="cuda").manual_seed(2)
-    for M, N, K, res in ((1, 2112, 2048, True), (2, 2112, 2048, True), (1, 3072, 1536, False)):
-        x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
-        w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).bfloat16()
-        pre = PreNorm((1 + 0.2 * torch.randn(K, generator=g, device="cuda")).bfloat16(), 1e-6,
-                      torch.randn(M, K, generator=g, device="cuda").bfloat16() if res else None)
-        r_ref = torch.empty_like(x) if res else None
-        r_out = torch.empty_like(x) if res else None
-        ref = gemv_ref(x, w, prenorm=pre, residual_out=r_ref).float()
-        y = gemv_triton(x, w, prenorm=pre, residual_out=r_out).float()
-        xn = pre.normalized_fp32(x, torch.empty_like(x) if res else None)
-        mag = torch.matmul(xn.abs(), w.float().abs().t())
-        eps = torch.finfo(torch.bfloat16).eps
-        bound = 4 * K * torch.finfo(torch.float32).eps * mag + eps * ref.abs() + 1e-30
-        assert float(((y - ref).abs() / bound).max()) <= 1.0, (M, N, K)
-        assert r_out is None or torch.equal(r_out, r_ref)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            y2, s2 = gemv.linear_prenorm(x, w, pre)
-            torch.cuda.synchronize()
-        assert sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) == 1
-        assert torch.equal(y2.float(), y) and (s2 is x if not res else torch.equal(s2, r_ref))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_linear_dispatch_gpu_and_graph_replay():
     """``gemv.linear`` on one bf16 token runs the Triton kernel (equal to calling it directly), and a CUDA
     graph of it replays to the eager result bit for bit."""
@@ -322,15 +253,11 @@ def _compile_sm90() -> dict:
     from triton.compiler import ASTSource
 
     from longflash.layers import gemv_triton, norm_triton
-    gemv_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16",
-                "s_ptr": "*bf16", "eps": "fp32", **{n: "i32" for n in ("M", "N", "K", "sxb", "sxm", "sxk", "swb", "swn",
-                                                                        "swk", "syb", "sym", "syn", "srm", "srk")}}
     specs = {
-        "gemv": (gemv_triton._gemv_kernel, gemv_sig,
-                 dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, INTERPRET=False, PDL=True, PRENORM=False, HAS_RES=False)),
-        "gemv_prenorm": (gemv_triton._gemv_kernel, gemv_sig,
-                         dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, INTERPRET=False, PDL=True, PRENORM=True,
-                              HAS_RES=True)),
+        "gemv": (gemv_triton._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                            **{n: "i32" for n in ("M", "N", "K", "sxb", "sxm", "sxk", "swb", "swn",
+                                                                  "swk", "syb", "sym", "syn")}},
+                 dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, INTERPRET=False, PDL=True)),
         "rms_norm": (norm_triton._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                                                     "n_rows": "i32", "D": "i32", "stride_x": "i32", "stride_o": "i32",
                                                     "eps": "fp32", "res_ptr": "*bf16", "res_out_ptr": "*bf16",
@@ -353,12 +280,11 @@ def _compile_sm90() -> dict:
 
 
 def test_kernels_compile_for_sm90_with_pdl_without_a_gpu():
-    """With programmatic dependent launch on, the kernels (the GEMV with and without its pre-norm prologue,
-    RMSNorm) compile for sm_90 and carry the griddepcontrol wait and launch_dependents instructions (the
-    interpreter, which cannot run inline PTX, never sees them)."""
+    """With programmatic dependent launch on, both kernels compile for sm_90 and carry the griddepcontrol
+    wait and launch_dependents instructions (the interpreter, which cannot run inline PTX, never sees them)."""
     from sm90_compile import compile_report
     res = compile_report(__file__)
-    assert len(res) == 3 and all(v.get("ok") and v["wait"] and v["launch"] and v["pdl_launch"]
+    assert len(res) == 2 and all(v.get("ok") and v["wait"] and v["launch"] and v["pdl_launch"]
                                  for v in res.values()), res
 
 

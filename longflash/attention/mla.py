@@ -21,17 +21,11 @@ from longflash.attention.chunked_context import DEFAULT_CONTEXT_WORKSPACE_ROWS, 
 from longflash.distributed import dcp as dcp_ops
 from longflash.distributed.comm import GroupCoordinator, get_parallel_state
 from longflash.layers import gemv
-from longflash.layers.norm import PreNorm, RMSNorm
+from longflash.layers.norm import RMSNorm
 from longflash.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_evenly
 from longflash.layers.rotary import RotaryEmbedding
 from longflash.runner.context import get_forward_context
 from longflash.runner.step_inputs import to_device_async
-
-
-# Whether q_a_layernorm runs inside the q_b GEMV (``gemv.linear_prenorm``) and, in uniform decode steps,
-# kv_a_layernorm inside the cache write (``kv_c_norm``); off, each is its own launch (the baseline of
-# ``benchmarks/e2e_decode.py --baselines mla-norm-launches``).
-FUSED_NORMS = True
 
 
 def _parallel_of(ctx):
@@ -131,43 +125,23 @@ class MLAAttention(nn.Module):
     def _k_scale(self) -> float | None:
         return self.k_scale if self.kv_cache is not None and self.kv_cache.dtype == ops.FP8_DTYPE else None
 
-    takes_prenorm = True  # forward(x, prenorm=...) (PreNormDecoderLayer)
-
-    def forward(self, x: torch.Tensor, prenorm: PreNorm | None = None):
-        """hidden [T, H] -> [T, H]. With ``prenorm`` (``norm.PreNorm``) x is the layer's un-normalized input:
-        the fused q_a/kv_a GEMV applies the norm (and residual add) in its prologue where it can
-        (``gemv.linear_prenorm``), else the norm runs first; returns (out [T, H], the residual stream)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         T = x.shape[0]
-        residual = None
-        fused_qkv = self.qkv_a_weight is not None and self.g_proj is None  # g_proj reads the normed x too
-        if prenorm is not None and not fused_qkv:
-            x, residual = prenorm.apply(x)
         if self.q_lora_rank is None:
             q = self.q_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)
         else:
             if self.qkv_a_weight is not None:  # one GEMM for q_a and kv_a (fuse_qkv_a)
-                if prenorm is not None and fused_qkv:
-                    qkv_a, residual = gemv.linear_prenorm(x, self.qkv_a_weight, prenorm)
-                else:
-                    qkv_a = gemv.linear(x, self.qkv_a_weight)
-                q_a, kv_a = qkv_a.split([self.q_lora_rank, self.qkv_a_weight.shape[0] - self.q_lora_rank], dim=-1)
+                q_a, kv_a = gemv.linear(x, self.qkv_a_weight).split([self.q_lora_rank, self.qkv_a_weight.shape[0] -
+                                                                  self.q_lora_rank], dim=-1)
             else:
                 q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-            if self.q_b_proj.bias is None and FUSED_NORMS:  # q_a_layernorm folded into the q_b GEMV where it runs
-                q = gemv.linear_prenorm(q_a, self.q_b_proj.weight, self.q_a_layernorm.pending())[0]
-            else:
-                q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(T, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        # A uniform decode step reads kv_c only in the cache write, which applies kv_a_layernorm itself
-        # (one launch less); a prefill attends with the normed kv_c, and a k_scale calculation reads it.
-        calc_scale = self.calculate_kv_scales and self._k_scale() is not None
-        kv_c_norm = self.kv_a_layernorm.pending() if ctx.uniform_decode and not calc_scale and FUSED_NORMS else None
-        if kv_c_norm is None:
-            kv_c = self.kv_a_layernorm(kv_c)
+        kv_c = self.kv_a_layernorm(kv_c)
         # A uniform decode step attends with the absorbed query [T, H, kv_lora_rank + rope]: the rotated
         # q_pe goes straight into its rope slice (and q_nope · W_UK into the rest, _decode_uniform).
         q_abs = x.new_empty(T, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim) if ctx.uniform_decode \
@@ -177,13 +151,13 @@ class MLAAttention(nn.Module):
             q_pe, k_pe = self.rotary.rotate_qk(q_pe, k_pe, ctx.positions, q_out=q_pe_out)
         elif q_pe_out is not None:
             q_pe_out.copy_(q_pe)
-        if calc_scale:
+        if self.calculate_kv_scales and self._k_scale() is not None:
             amax = float(torch.maximum(kv_c.abs().max(), k_pe.abs().max())) if T else 0.0
             self.k_scale = amax / 200.0 if amax > 0 else 1.0
             self.k_scale_source = "calculated"
             self.calculate_kv_scales = False  # frozen from now on
         kernels = cache_ops(self.kv_cache)
-        kernels.concat_and_cache_mla(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self._k_scale(), kv_c_norm=kv_c_norm)
+        kernels.concat_and_cache_mla(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self._k_scale())
 
         out = x.new_empty(T, self.num_heads, self.v_head_dim)
         w_uk, w_uv = self._w_uk_uv()
@@ -201,8 +175,7 @@ class MLAAttention(nn.Module):
         out = out.reshape(T, self.num_heads * self.v_head_dim)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
-        out = self.o_proj(out)
-        return out if prenorm is None else (out, residual)
+        return self.o_proj(out)
 
     def _decode(self, q_nope, q_pe, reqs: list[int], ctx, w_uk, w_uv, out: torch.Tensor) -> None:
         """Absorbed attention of the decode/verify requests ``reqs``, written into their ``out`` rows.

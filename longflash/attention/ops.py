@@ -7,9 +7,8 @@ LSE = natural log-sum-exp of the scaled attention logits.
 
 from __future__ import annotations
 
-import torch
 
-from longflash.layers.norm import PreNorm
+import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -69,27 +68,17 @@ def write_rows(flat: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tenso
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
-                         *, kv_c_norm: PreNorm | None = None) -> None:
+                         slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None) -> None:
     """Write MLA latent rows ``[kv_c | k_pe]`` into a paged cache (vLLM ``concat_and_cache_mla``).
 
     Args:
-        kv_c: [T, kv_lora_rank] model dtype (already normed by kv_a_layernorm, unless ``kv_c_norm``).
+        kv_c: [T, kv_lora_rank] model dtype (already normed by kv_a_layernorm).
         k_pe: [T, qk_rope_head_dim] model dtype (already rotated).
         kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], model dtype,
             bf16 or float8_e4m3fn; written in place.
         slot_mapping: [T] int64; -1 entries are skipped.
         k_scale: dequantization multiplier for an fp8 cache (stored = sat(x / k_scale)).
-        kv_c_norm: kv_a_layernorm as a :class:`~longflash.layers.norm.PreNorm` without a residual: the rows
-            written are ``rms_norm(kv_c)`` (the Triton op normalizes in the write kernel: one launch less
-            per layer in a decode step, session 28).
-    Raises:
-        ValueError for a ``kv_c_norm`` with a residual or of another width or dtype than kv_c.
     """
-    if kv_c_norm is not None:
-        if kv_c_norm.residual is not None:
-            raise ValueError("kv_c_norm takes no residual")
-        kv_c = kv_c_norm.reference(kv_c)
     num_blocks, block_size, width = kv_cache.shape
     rows = quantize_to_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache.dtype, k_scale)
     write_rows(_bytes(kv_cache).view(num_blocks * block_size, width), slot_mapping, _bytes(rows))

@@ -41,8 +41,6 @@ import triton
 import triton.language as tl
 
 from longflash.attention.ops import FP8_DTYPE
-from longflash.layers.norm import PreNorm
-from longflash.layers.norm_triton import prenorm_apply
 from longflash.attention.triton_prefill import dispatch_attention_with_lse as attention_with_lse  # noqa: F401
 
 
@@ -126,12 +124,12 @@ def _to_cache(x, scale, nscale, rcp, cache_ty: tl.constexpr, FP8: tl.constexpr, 
 
 @triton.jit
 def _write_kernel(kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, stride_kvc, stride_kpe,
-                  nw_ptr, eps, R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                  R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                   FP8: tl.constexpr, SCALE_MODE: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_T: tl.constexpr,
-                  EVICT: tl.constexpr, NORM: tl.constexpr):
+                  EVICT: tl.constexpr):
     """BLOCK_T whole rows per program: the ``kv_c`` part as a [BLOCK_T, BLOCK_R] tile and the ``k_pe``
     part as a [BLOCK_T, BLOCK_P] tile (576 = 512 + 64: no masked lanes), both loaded before either
-    is stored; with ``NORM`` the kv_c rows are RMS-normalized first (``kv_c_norm``)."""
+    is stored."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
     rows = (t < T) & (slot >= 0)
@@ -144,11 +142,6 @@ def _write_kernel(kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, scale, nscale, rcp, T, 
     xr = tl.load(kvc_ptr + t64[:, None] * stride_kvc + cr[None, :], mask=mr, other=0.0, eviction_policy=EVICT)
     xp = tl.load(kpe_ptr + t64[:, None] * stride_kpe + cp[None, :], mask=mp, other=0.0, eviction_policy=EVICT)
     cty = cache_ptr.dtype.element_ty
-    if NORM:  # kv_a_layernorm (norm.PreNorm without a residual): RMSNorm's rounding points
-        xf = xr.to(tl.float32)
-        inv_rms = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / R + eps)
-        xr = prenorm_apply(xf, inv_rms[:, None], tl.load(nw_ptr + cr, mask=cr < R, other=0.0)[None, :],
-                           kvc_ptr.dtype.element_ty)
     tl.store(dst[:, None] + cr[None, :], _to_cache(xr, scale, nscale, rcp, cty, FP8, SCALE_MODE, HW_FP8), mask=mr)
     tl.store(dst[:, None] + R + cp[None, :], _to_cache(xp, scale, nscale, rcp, cty, FP8, SCALE_MODE, HW_FP8),
              mask=mp)
@@ -293,12 +286,10 @@ def _write_scale(k_scale, hw: bool) -> tuple[int, float, float, float]:
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
-                         *, kv_c_norm: PreNorm | None = None, block_t: int | None = None,
-                         num_warps: int | None = None, evict: str | None = None,
-                         scale_mode: int | None = None) -> None:
+                         *, block_t: int | None = None, num_warps: int | None = None,
+                         evict: str | None = None, scale_mode: int | None = None) -> None:
     """Triton version of :func:`longflash.attention.ops.concat_and_cache_mla` (same semantics and, for
-    every non-NaN input, the same cache bytes; a NaN is stored as an E4M3 NaN of either sign; with
-    ``kv_c_norm``, the normalized rows' mean squares are summed in another order than the reference's).
+    every non-NaN input, the same cache bytes; a NaN is stored as an E4M3 NaN of either sign).
 
     ``block_t`` (rows per program, a power of two), ``num_warps`` and ``evict`` (eviction policy of
     the input loads: "" or "evict_first") override ``kv_config("write", dtype)``; benchmarks sweep them.
@@ -313,10 +304,6 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     R, P = kv_c.shape[1], k_pe.shape[1]
     if kv_cache.shape[-1] != R + P or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache rows must be contiguous of width {R + P}, got shape {tuple(kv_cache.shape)}")
-    if kv_c_norm is not None:
-        if kv_c_norm.residual is not None:
-            raise ValueError("kv_c_norm takes no residual")
-        kv_c_norm.check(kv_c)
     if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
         kv_c, k_pe = kv_c.contiguous(), k_pe.contiguous()
     fp8 = kv_cache.dtype == FP8_DTYPE
@@ -331,11 +318,9 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     cfg = kv_config("write", kv_cache.dtype)
     block_t = block_t or cfg[0]
     grid = (triton.cdiv(T, block_t),)
-    write[grid](kv_c, k_pe, dst, slot_mapping, scale, nscale, rcp, T, kv_c.stride(0), k_pe.stride(0),
-                kv_c_norm.weight if kv_c_norm is not None else kv_c,
-                float(kv_c_norm.eps) if kv_c_norm is not None else 0.0, R=R, P=P,
+    write[grid](kv_c, k_pe, dst, slot_mapping, scale, nscale, rcp, T, kv_c.stride(0), k_pe.stride(0), R=R, P=P,
                 BLOCK_R=triton.next_power_of_2(R), BLOCK_P=triton.next_power_of_2(P), FP8=fp8, SCALE_MODE=mode,
-                HW_FP8=hw, BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict, NORM=kv_c_norm is not None,
+                HW_FP8=hw, BLOCK_T=block_t, EVICT=cfg[2] if evict is None else evict,
                 num_warps=num_warps or cfg[1])
 
 

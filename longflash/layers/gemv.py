@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longflash.layers.norm import PreNorm
-
 # Rows of x up to which a CUDA product takes the Triton kernel (``gemv_triton.MAX_ROWS`` at most), and the
 # largest weight (N · K elements) it takes at two rows. H200 sweep (``benchmarks/results/gemv.h200.md``):
 # at one row the kernel beat or tied cuBLAS at every K-contiguous shape (2 MB to the 530 MB LM head); at two
@@ -23,24 +21,17 @@ enabled = True
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of x and w, in the reference and the kernel
 
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, prenorm: PreNorm | None = None,
-             residual_out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``y[b] = x[b] · w[b]^T`` in fp32, rounded once to x's dtype (the reference of ``gemv_triton``).
 
     Args:
         x: [M, K] or [B, M, K], bf16 / fp16 / fp32 (``DTYPES``), any strides.
         w: [N, K] or [B, N, K], x's dtype.
         out: optional [M, N] / [B, M, N] of x's dtype receiving y.
-        prenorm: optional (2-D x only) :class:`~longflash.layers.norm.PreNorm`: the product takes
-            ``rms_norm(x + residual)`` instead of x, in fp32 without rounding the normalized x to the dtype
-            (``PreNorm.normalized_fp32``: the kernel applies the norm's scale to y; the two-launch path
-            ``PreNorm.apply`` + :func:`linear` rounds twice more, so the two differ by up to ~2 ulps of x per
-            element).
-        residual_out: [M, K] of x's dtype receiving ``x + residual``; required iff the pre-norm has a residual.
     Returns:
         y [M, N] / [B, M, N] in x's dtype (``out`` when given).
     Raises:
-        ValueError on mismatched shapes or dtypes (also of the pre-norm: :func:`check_prenorm`).
+        ValueError on mismatched shapes or dtypes.
     """
     if x.dim() not in (2, 3) or w.dim() != x.dim() or w.shape[-1] != x.shape[-1] or \
             (x.dim() == 3 and w.shape[0] != x.shape[0]):
@@ -48,21 +39,8 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, 
                          "and batch)")
     if w.dtype != x.dtype or x.dtype not in DTYPES:
         raise ValueError(f"x and w must share a dtype of {DTYPES}, got {x.dtype} and {w.dtype}")
-    check_prenorm(x, prenorm, residual_out)
-    xf = x.float() if prenorm is None else prenorm.normalized_fp32(x, residual_out)
-    y = torch.matmul(xf, w.float().transpose(-1, -2)).to(x.dtype)
+    y = torch.matmul(x.float(), w.float().transpose(-1, -2)).to(x.dtype)
     return y if out is None else _check_out(out, y).copy_(y)
-
-
-def check_prenorm(x: torch.Tensor, prenorm: PreNorm | None, residual_out: torch.Tensor | None) -> None:
-    """ValueError unless a pre-norm fits a 2-D x (``PreNorm.check``); ``residual_out`` only with one."""
-    if prenorm is None:
-        if residual_out is not None:
-            raise ValueError("residual_out is only written with a pre-norm that has a residual")
-        return
-    if x.dim() != 2:
-        raise ValueError(f"a pre-norm takes a 2-D x [M, K], got {tuple(x.shape)}")
-    prenorm.check(x, residual_out)
 
 
 def _check_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -92,20 +70,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from longflash.layers.gemv_triton import gemv_triton
         return gemv_triton(x2, w).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)
-
-
-def linear_prenorm(x: torch.Tensor, w: torch.Tensor, prenorm: PreNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """``F.linear(rms_norm(x + residual), w)`` for x [T, K], w [N, K]: through the Triton GEMV with the norm in
-    its prologue where :func:`use_gemv` takes the product (one launch), else the norm's own launch
-    (``PreNorm.apply``) and :func:`linear`. Returns (y [T, N], the residual stream ``x + residual`` [T, K],
-    or x itself when the pre-norm has no residual). Raises ValueError for a pre-norm that does not fit x."""
-    if use_gemv(x, w) and x.dim() == 2 and prenorm.weight.dtype == x.dtype:
-        from longflash.layers.gemv_triton import gemv_triton
-        s = torch.empty_like(x) if prenorm.residual is not None else x
-        y = gemv_triton(x, w, prenorm=prenorm, residual_out=s if prenorm.residual is not None else None)
-        return y, s
-    h, s = prenorm.apply(x)
-    return linear(h, w), s
 
 
 def bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

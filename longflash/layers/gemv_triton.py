@@ -23,9 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longflash.layers.gemv import DTYPES, check_prenorm
-from longflash.layers.norm import PreNorm
-from longflash.layers.norm_triton import prenorm_input
+from longflash.layers.gemv import DTYPES
 from longflash.ops.triton_env import interpreting
 from longflash.ops.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_for
 
@@ -51,30 +49,17 @@ def _load_w(w_base, k0, K, swk, nmask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _mac(acc, sq, x_base, w, k0, K, sxk, mmask, BLOCK_K: tl.constexpr, r_base, srk, nw_ptr, s_base, store,
-         PRENORM: tl.constexpr, HAS_RES: tl.constexpr):
-    """One K step: acc [BLOCK_M, BLOCK_N, BLOCK_K] += x · w; with ``PRENORM`` x is s · norm weight (fp32; s = x,
-    or x + residual rounded to x's dtype), the rows' sums of squares of s go into sq [BLOCK_M, BLOCK_K] (the
-    norm's scale multiplies y at the end), and where ``store`` s is written to ``s_base`` (the residual stream)."""
+def _mac(acc, x_base, w, k0, K, sxk, mmask, BLOCK_K: tl.constexpr):
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    m = mmask[:, None] & (offs_k < K)[None, :]
-    if PRENORM:  # x is rms_norm(x (+ residual)) (norm.PreNorm), its 1 / rms applied to y (deferred)
-        sx = prenorm_input(x_base + offs_k[None, :] * sxk, r_base + offs_k[None, :] * srk, m, HAS_RES)
-        if HAS_RES:
-            tl.store(s_base + offs_k[None, :], sx.to(s_base.dtype.element_ty), mask=m & store)
-        sq += sx * sx
-        x = sx * tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
-    else:
-        x = tl.load(x_base + offs_k[None, :] * sxk, mask=m, other=0.0)
-    return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], sq
+    x = tl.load(x_base + offs_k[None, :] * sxk, mask=mmask[:, None] & (offs_k < K)[None, :], other=0.0)
+    return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                  sxb, sxm, sxk, swb, swn, swk, syb, sym, syn,
-                 nw_ptr, r_ptr, s_ptr, srm, srk, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-                 PDL: tl.constexpr, PRENORM: tl.constexpr, HAS_RES: tl.constexpr):
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,9 +67,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     nmask = offs_n < N
     mmask = offs_m < M
     x_base = x_ptr + b * sxb + offs_m[:, None].to(tl.int64) * sxm
-    r_base = r_ptr + offs_m[:, None].to(tl.int64) * srm  # (PRENORM: one batch entry)
-    s_base = s_ptr + offs_m[:, None].to(tl.int64) * K
-    store = pid_n == 0
     w_base = w_ptr + b * swb + offs_n[:, None].to(tl.int64) * swn
     # The first weight step does not depend on the previous kernel: under programmatic dependent launch
     # it is in flight while that kernel finishes; x (its output) is read only after gdc_wait.
@@ -92,22 +74,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    acc, sq = _mac(tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32),
-                   tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32), x_base, w, 0, K, sxk, mmask, BLOCK_K, r_base, srk,
-                   nw_ptr, s_base, store, PRENORM, HAS_RES)
+    acc = _mac(tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32), x_base, w, 0, K, sxk, mmask, BLOCK_K)
     if INTERPRET:  # a loop bounded by a run-time argument fails in the interpreter; the same loop as a while
         k0 = BLOCK_K
         while k0 < K:
-            acc, sq = _mac(acc, sq, x_base, _load_w(w_base, k0, K, swk, nmask, BLOCK_K), k0, K, sxk, mmask, BLOCK_K,
-                           r_base, srk, nw_ptr, s_base, store, PRENORM, HAS_RES)
+            acc = _mac(acc, x_base, _load_w(w_base, k0, K, swk, nmask, BLOCK_K), k0, K, sxk, mmask, BLOCK_K)
             k0 += BLOCK_K
     else:
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            acc, sq = _mac(acc, sq, x_base, _load_w(w_base, k0, K, swk, nmask, BLOCK_K), k0, K, sxk, mmask, BLOCK_K,
-                           r_base, srk, nw_ptr, s_base, store, PRENORM, HAS_RES)
+            acc = _mac(acc, x_base, _load_w(w_base, k0, K, swk, nmask, BLOCK_K), k0, K, sxk, mmask, BLOCK_K)
     y = tl.sum(acc, axis=2)
-    if PRENORM:  # every program walked all of K: the rows' 1 / rms, applied once
-        y = y * tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     y_ptrs = y_ptr + b * syb + offs_m[:, None].to(tl.int64) * sym + offs_n[None, :] * syn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -140,8 +116,7 @@ def _as3(t: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                config: GemvConfig | None = None, prenorm: PreNorm | None = None,
-                residual_out: torch.Tensor | None = None) -> torch.Tensor:
+                config: GemvConfig | None = None) -> torch.Tensor:
     """Triton version of :func:`longflash.layers.gemv.gemv_ref` (same arguments and result up to the
     order of the fp32 sums): ``y[b] = x[b] · w[b]^T``.
 
@@ -150,16 +125,10 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         w: [N, K] or [B, N, K] (with x's batch), x's dtype, any strides.
         out: optional [M, N] / [B, M, N] of x's dtype (may be a strided view) receiving y.
         config: the tile (default: :func:`default_config`).
-        prenorm, residual_out: as ``gemv_ref`` (2-D x only). Every program walks all of K anyway, so it sums
-            the squares of s = x (+ residual) as it goes and multiplies its outputs by ``1 / rms`` at the end:
-            the norm costs no extra pass or dependency (a first form that computed the scale before the
-            product, with RMSNorm's roundings, took ~4 µs more per call than the norm's own launch, H200,
-            session 28); program 0 writes ``residual_out``.
     Returns:
         y [M, N] / [B, M, N] in x's dtype (``out`` when given).
     Raises:
-        ValueError on mismatched shapes or dtypes, M > ``MAX_ROWS``, or a pre-norm that does not fit
-        (``gemv.check_prenorm``).
+        ValueError on mismatched shapes or dtypes, or M > ``MAX_ROWS``.
     """
     x3, w3 = _as3(x), _as3(w)
     if x.dim() not in (2, 3) or w.dim() != x.dim():
@@ -171,30 +140,21 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         raise ValueError(f"x and w must share a dtype of {DTYPES}, got {x.dtype} and {w.dtype}")
     if M > MAX_ROWS:
         raise ValueError(f"gemv_triton takes at most {MAX_ROWS} rows of x, got {M}")
-    check_prenorm(x, prenorm, residual_out)
     N = w3.shape[1]
     shape = (B, M, N) if x.dim() == 3 else (M, N)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != shape or out.dtype != x.dtype:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be {shape} {x.dtype}")
-    if M == 0:
+    if M == 0 or N == 0:
         return out
-    if N == 0 or K == 0:
-        if prenorm is not None and prenorm.residual is not None:
-            torch.add(x, prenorm.residual, out=residual_out)
-        return out if N == 0 else out.zero_()
+    if K == 0:
+        return out.zero_()
     y3 = _as3(out)
     cfg = config or default_config(M, N, K)
     grid = (triton.cdiv(N, cfg.block_n), B)
     pdl = pdl_for(x.device)
-    res = prenorm.residual if prenorm is not None and prenorm.residual is not None else x
     _gemv_kernel[grid](x3, w3, y3, M, N, K, *x3.stride(), *w3.stride(), *y3.stride(),
-                       prenorm.weight if prenorm is not None else w3, res,
-                       residual_out if residual_out is not None else x, res.stride(0), res.stride(1),
-                       float(prenorm.eps) if prenorm is not None else 0.0,
                        BLOCK_M=block_m_of(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                       INTERPRET=interpreting(), PDL=pdl, PRENORM=prenorm is not None,
-                       HAS_RES=prenorm is not None and prenorm.residual is not None,
-                       num_warps=cfg.num_warps, **launch_options(pdl))
+                       INTERPRET=interpreting(), PDL=pdl, num_warps=cfg.num_warps, **launch_options(pdl))
     return out

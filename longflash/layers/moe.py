@@ -18,7 +18,7 @@ from torch import nn
 from longflash.distributed.comm import GroupCoordinator
 from longflash.layers.activation import silu_and_mul
 from longflash.layers.mlp import GatedMLP
-from longflash.layers.norm import PreNorm, RMSNorm
+from longflash.layers.norm import RMSNorm
 
 
 class TopkRouter(nn.Module):
@@ -218,23 +218,7 @@ class MoE(nn.Module):
         return (self.gate.weight, self.gate.e_score_correction_bias, w13, w2,
                 sh.gate_up_weight if sh is not None else None, sh.down_proj.weight if sh is not None else None)
 
-    takes_prenorm = True  # forward(x, prenorm=...) (PreNormDecoderLayer)
-
-    def forward(self, x: torch.Tensor, prenorm: PreNorm | None = None):
-        """x [T, H] -> [T, H]. With ``prenorm`` (``norm.PreNorm``) x is the sub-layer's un-normalized input:
-        the one-token kernel applies the norm (and residual add) in its first launch, other paths run the
-        norm first; returns (y [T, H], the residual stream)."""
-        if prenorm is not None:
-            one = self.one_token_weights(x) if prenorm.weight.dtype == x.dtype else None
-            if one is None:
-                h, s = prenorm.apply(x)
-                return self.forward(h), s
-            from longflash.layers.moe_decode_triton import moe_decode_triton
-            s = torch.empty_like(x) if prenorm.residual is not None else None
-            g = self.gate
-            y = moe_decode_triton(x, *one, g.top_k, g.n_group, g.topk_group, g.norm_topk_prob,
-                                  g.routed_scaling_factor, prenorm=prenorm, residual_out=s)
-            return y, s if s is not None else x
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         one = self.one_token_weights(x)
         if one is not None:  # one token on CUDA (batch-1 decode): the one-token kernel
             from longflash.layers.moe_decode_triton import moe_decode_triton

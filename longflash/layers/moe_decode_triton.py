@@ -50,8 +50,6 @@ import triton.language as tl
 
 from longflash.layers.moe import check_routing_args, topk_routing
 from longflash.layers.moe_router_triton import _IDX_BITS, route_scores
-from longflash.layers.norm import PreNorm
-from longflash.layers.norm_triton import prenorm_apply, prenorm_input
 from longflash.ops.grid_sync import barrier_counter, grid_arrive, grid_reset_if_last, grid_wait
 from longflash.ops.l2_prefetch import prefetch_l2
 from longflash.ops.triton_env import interpreting, sm_count
@@ -75,64 +73,28 @@ def _slot_expert(eid, k, slot):
 
 
 @triton.jit
-def _x_in(x_ptr, k, D, res_ptr, nw_ptr, inv_rms, PRENORM: tl.constexpr, HAS_RES: tl.constexpr):
-    """x[k] (x's dtype; 0 past D) or, with ``PRENORM``, ``rms_norm(x + residual)[k]`` (``norm.PreNorm``)."""
-    if PRENORM:
-        sx = prenorm_input(x_ptr + k, res_ptr + k, k < D, HAS_RES)
-        return prenorm_apply(sx, inv_rms, tl.load(nw_ptr + k, mask=k < D, other=0.0), nw_ptr.dtype.element_ty)
-    return tl.load(x_ptr + k, mask=k < D, other=0.0)
-
-
-@triton.jit
-def _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, res_ptr, nw_ptr, inv_rms, K_STEP: tl.constexpr,
-               PRENORM: tl.constexpr, HAS_RES: tl.constexpr):
+def _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, K_STEP: tl.constexpr):
     k = k0 + tl.arange(0, K_STEP)
     w = tl.load(w_ptr + r[:, None].to(tl.int64) * D + k[None, :], mask=(r < n_rows)[:, None] & (k < D)[None, :],
                 other=0.0)
-    x = _x_in(x_ptr, k, D, res_ptr, nw_ptr, inv_rms, PRENORM, HAS_RES)
+    x = tl.load(x_ptr + k, mask=k < D, other=0.0)
     return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
-def _rows_times_x(w_ptr, row0, n_rows, x_ptr, D, K_STEP: tl.constexpr, INTERPRET: tl.constexpr, res_ptr, nw_ptr,
-                  inv_rms, PRENORM: tl.constexpr, HAS_RES: tl.constexpr):
-    """[8] fp32: rows row0 .. row0 + 7 (< n_rows) of a row-major [n_rows, D] weight times x [D] (with
-    ``PRENORM``, times ``rms_norm(x + residual)``: :func:`_x_in`)."""
+def _rows_times_x(w_ptr, row0, n_rows, x_ptr, D, K_STEP: tl.constexpr, INTERPRET: tl.constexpr):
+    """[8] fp32: rows row0 .. row0 + 7 (< n_rows) of a row-major [n_rows, D] weight times x [D]."""
     r = row0 + tl.arange(0, 8)
     acc = tl.zeros([8, K_STEP], tl.float32)
     if INTERPRET:  # a loop bounded by a run-time argument fails in the interpreter; the same loop as a while
         k0 = 0
         while k0 < D:
-            acc = _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, res_ptr, nw_ptr, inv_rms, K_STEP, PRENORM, HAS_RES)
+            acc = _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, K_STEP)
             k0 += K_STEP
     else:
         for k0 in range(0, D, K_STEP):
-            acc = _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, res_ptr, nw_ptr, inv_rms, K_STEP, PRENORM, HAS_RES)
+            acc = _rows_step(acc, w_ptr, r, n_rows, x_ptr, D, k0, K_STEP)
     return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _prenorm_pass(x_ptr, res_ptr, nw_ptr, s_ptr, xn_ptr, D, eps, store, K_STEP: tl.constexpr,
-                  HAS_RES: tl.constexpr):
-    """``rsqrt(mean(s^2) + eps)`` of s = x (+ residual) over D, summed in K_STEP chunks (the same order in
-    every program); where ``store`` (one program), s (the new residual stream, with ``HAS_RES``) and the
-    normed x are written to ``s_ptr`` / ``xn_ptr`` for the later phases."""
-    sq = tl.zeros([K_STEP], tl.float32)
-    k0 = 0
-    while k0 < D:  # (while loops: the interpreter cannot run a for loop over run-time bounds)
-        k = k0 + tl.arange(0, K_STEP)
-        sx = prenorm_input(x_ptr + k, res_ptr + k, k < D, HAS_RES)
-        if HAS_RES:
-            tl.store(s_ptr + k, sx.to(s_ptr.dtype.element_ty), mask=(k < D) & store)
-        sq += sx * sx
-        k0 += K_STEP
-    inv_rms = tl.math.rsqrt(tl.sum(sq, axis=0) / D + eps)
-    k0 = 0
-    while (k0 < D) & store:
-        k = k0 + tl.arange(0, K_STEP)
-        tl.store(xn_ptr + k, _x_in(x_ptr, k, D, res_ptr, nw_ptr, inv_rms, True, HAS_RES), mask=k < D)
-        k0 += K_STEP
-    return inv_rms
 
 
 @triton.jit
@@ -164,16 +126,13 @@ def _route(part_ptr, n_slices, bias_ptr, scale, NS_C: tl.constexpr, E_P: tl.cons
 
 @triton.jit
 def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_ptr, part_ptr, g_ptr, gs_ptr, y_ptr,
-                       bar_ptr, rid_ptr, rwt_ptr, D, I, IS, n_slices, scale, nw_ptr, res_ptr, s_ptr, xn_ptr, eps,
+                       bar_ptr, rid_ptr, rwt_ptr, D, I, IS, n_slices, scale,
                        E_P: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr,
                        GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        RENORM: tl.constexpr, HAS_SHARED: tl.constexpr, I_P: tl.constexpr, IS_P: tl.constexpr,
                        RK: tl.constexpr, K_STEP: tl.constexpr, NS_C: tl.constexpr, TK_P: tl.constexpr, DOWN_ROWS: tl.constexpr,
                        PREFETCH: tl.constexpr, ELT: tl.constexpr, NUM_WARPS: tl.constexpr, GATE_PAIR: tl.constexpr,
-                       PHASE: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr,
-                       PRENORM: tl.constexpr, HAS_RES: tl.constexpr):
-    # x_ptr: the layer input (with PRENORM un-normalized: phase 0 normalizes it as it loads it, and program 0
-    # writes the normed x to xn_ptr for the gate/up phase); xn_ptr: the normed x (x_ptr itself without PRENORM)
+                       PHASE: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     DT: tl.constexpr = y_ptr.dtype.element_ty
@@ -181,9 +140,6 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
     if PREFETCH & ((PHASE == 0) | (PHASE == 3)) & HAS_SHARED:  # the shared experts' down rows (phase 2) into L2
         prefetch_l2(sw2_ptr, D * IS * ELT, pid, P, 32 * NUM_WARPS, INTERPRET)
     if (PHASE == 0) | (PHASE == 3):
-        inv_rms = 0.0
-        if PRENORM:
-            inv_rms = _prenorm_pass(x_ptr, res_ptr, nw_ptr, s_ptr, xn_ptr, D, eps, pid == 0, K_STEP, HAS_RES)
         # router partial logits: slice s of the hidden dim, all experts (fp32 router weights)
         # (grid-stride while loops: the interpreter cannot run a for loop over run-time bounds)
         ex = tl.arange(0, E_P)
@@ -192,15 +148,15 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
             k = s * RK + tl.arange(0, RK)
             w = tl.load(rw_ptr + ex[:, None] * D + k[None, :], mask=(ex < N_GROUP * GROUP_SIZE)[:, None] & (k < D)[None, :],
                         other=0.0)
-            xv = _x_in(x_ptr, k, D, res_ptr, nw_ptr, inv_rms, PRENORM, HAS_RES).to(tl.float32)
+            xv = tl.load(x_ptr + k, mask=k < D, other=0.0).to(tl.float32)
             tl.store(part_ptr + s * E_P + ex, tl.sum(w.to(tl.float32) * xv[None, :], axis=1))
             s += P
         if HAS_SHARED:  # the shared experts' gate/up rows
             b = pid
             while b < tl.cdiv(2 * IS, 8):
                 r = b * 8 + tl.arange(0, 8)
-                tl.store(gs_ptr + r, _rows_times_x(sw13_ptr, b * 8, 2 * IS, x_ptr, D, K_STEP, INTERPRET, res_ptr,
-                                                   nw_ptr, inv_rms, PRENORM, HAS_RES).to(DT), mask=r < 2 * IS)
+                tl.store(gs_ptr + r, _rows_times_x(sw13_ptr, b * 8, 2 * IS, x_ptr, D, K_STEP, INTERPRET).to(DT),
+                         mask=r < 2 * IS)
                 b += P
         if PHASE == 3:
             before = grid_arrive(bar_ptr)
@@ -233,7 +189,7 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
         b = pid
         if GATE_PAIR:  # (D <= K_STEP) two blocks per step, both loads issued before either reduction; x loaded once
             kk = tl.arange(0, K_STEP)
-            xk = tl.load(xn_ptr + kk, mask=kk < D, other=0.0)
+            xk = tl.load(x_ptr + kk, mask=kk < D, other=0.0)
             while b < TOP_K * blocks:
                 b2 = b + P
                 sl = b // blocks
@@ -256,8 +212,7 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
             sl = b // blocks
             e = _slot_expert(eid, k, sl)
             r = (b % blocks) * 8 + tl.arange(0, 8)
-            v = _rows_times_x(w13_ptr + e * (2 * I) * D, (b % blocks) * 8, 2 * I, xn_ptr, D, K_STEP, INTERPRET,
-                              xn_ptr, xn_ptr, 0.0, False, False)
+            v = _rows_times_x(w13_ptr + e * (2 * I) * D, (b % blocks) * 8, 2 * I, x_ptr, D, K_STEP, INTERPRET)
             tl.store(g_ptr + sl * (2 * I) + r, v.to(DT), mask=r < 2 * I)
             b += P
         if PHASE == 3:
@@ -335,8 +290,7 @@ def _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, to
 def moe_decode_ref(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor | None, w13: torch.Tensor,
                    w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
                    n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-                   routed_scaling_factor: float = 1.0, *, prenorm: PreNorm | None = None,
-                   residual_out: torch.Tensor | None = None) -> torch.Tensor:
+                   routed_scaling_factor: float = 1.0) -> torch.Tensor:
     """The MoE sub-layer for one token in PyTorch, with :func:`moe_decode_triton`'s rounding points.
 
     Args:
@@ -345,19 +299,12 @@ def moe_decode_ref(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor |
             [E, D, I], x's dtype. shared_w13 / shared_w2: the shared experts' [2Is, D] / [D, Is] or None.
         top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor: sigmoid noaux_tc routing
             (:func:`longflash.layers.moe.topk_routing`).
-        prenorm: optional :class:`~longflash.layers.norm.PreNorm`: the sub-layer takes ``rms_norm(x + residual)``
-            (``norm.add_rms_norm``'s rounding points) instead of x; residual_out: [1, D] of x's dtype receiving
-            ``x + residual``, given exactly when the pre-norm has a residual.
     Returns:
         [1, D] in x's dtype: Σ_s w_s · W2[e_s] · act(W13[e_s] · x) + shared, act(g) = silu(g[:I]) · g[I:],
         the gate/up products and activations rounded to x's dtype, the sums fp32, one final rounding.
     Raises:
         ValueError for shapes or dtypes that do not fit together (and as ``topk_routing``)."""
     _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group)
-    if prenorm is not None:
-        x = prenorm.reference(x, residual_out)
-    elif residual_out is not None:
-        raise ValueError("residual_out is only written with a pre-norm that has a residual")
     dt = x.dtype
     logits = x.float() @ router_w.t()
     wts, ids = topk_routing(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
@@ -380,8 +327,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
                       n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                       routed_scaling_factor: float = 1.0, *, programs: int | None = None,
                       phased: bool | None = None, route_launch: bool = True, prefetch: bool = True, gate_pair: bool = False,
-                      down_rows: int = 16, prenorm: PreNorm | None = None,
-                      residual_out: torch.Tensor | None = None) -> torch.Tensor:
+                      down_rows: int = 16) -> torch.Tensor:
     """Triton version of :func:`moe_decode_ref`: same arguments (any strides; x and the bias are made
     contiguous, the bias fp32) and result within the sums' order (fp32; in 16-bit dtypes an intermediate
     rounding may differ by an ulp).
@@ -402,17 +348,10 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     phases 1-2, session 28). ``down_rows``: output rows per block of phase 2 (a power of two, 1..64; default 16,
     one block per program at hidden 2048: phases 1-2 16.0 µs against 18.0 with 4 rows, session 28; sm_90
     compile 158 registers, no spills).
-    ``prenorm`` / ``residual_out`` as the reference: phase 0 normalizes x as it loads it (every program
-    computes the mean square over D itself, from L2), and its program 0 writes ``residual_out`` and the normed
-    x for the gate/up phase; the norm's own launch is saved (``norm.PreNorm``).
     The barrier counter is kept per device and left at 0. Raises ValueError as the reference, for
     ``programs`` not an int >= 1, ``down_rows`` not a power of two in 1..64, and for a persistent launch with more programs
     than SMs (the barriers need all of them resident) or more than one in the interpreter."""
     _check(x, router_w, bias, w13, w2, shared_w13, shared_w2, top_k, n_group, topk_group)
-    if prenorm is not None:
-        prenorm.check(x, residual_out)
-    elif residual_out is not None:
-        raise ValueError("residual_out is only written with a pre-norm that has a residual")
     E, D = router_w.shape
     I = w13.shape[1] // 2
     interp = interpreting() or not x.is_cuda
@@ -446,19 +385,14 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     NG_P, GS_P = triton.next_power_of_2(n_group), triton.next_power_of_2(gsz)
     args = (x, router_w.contiguous(), bias if bias is not None else router_w, w13.contiguous(), w2.contiguous(),
             shared_w13.contiguous() if shared_w13 is not None else w13, shared_w2.contiguous() if shared_w2 is not None
-            else w2, part, g, gs, y, bar, rid, rwt, D, I, IS, n_slices, float(routed_scaling_factor),
-            prenorm.weight if prenorm is not None else x,
-            prenorm.residual.contiguous() if prenorm is not None and prenorm.residual is not None else x,
-            residual_out if residual_out is not None else x,
-            torch.empty_like(x) if prenorm is not None else x, float(prenorm.eps) if prenorm is not None else 0.0)
+            else w2, part, g, gs, y, bar, rid, rwt, D, I, IS, n_slices, float(routed_scaling_factor))
     meta = dict(E_P=E_P, N_GROUP=n_group, GROUP_SIZE=gsz, NG_P=NG_P, GS_P=GS_P, TOP_K=top_k, TOPK_GROUP=topk_group, HAS_BIAS=bias is not None,
                 RENORM=bool(norm_topk_prob), HAS_SHARED=shared_w13 is not None, I_P=triton.next_power_of_2(I),
                 IS_P=triton.next_power_of_2(IS), RK=ROUTER_SLICE, K_STEP=min(BLOCK_K, triton.next_power_of_2(D)),
                 NS_C=min(triton.next_power_of_2(n_slices), max(1, ROUTE_CHUNK // (NG_P * GS_P))), TK_P=TK_P, DOWN_ROWS=down_rows, PREFETCH=bool(prefetch),
                 GATE_PAIR=bool(gate_pair) and triton.next_power_of_2(D) <= BLOCK_K,
                 ELT=x.element_size(), NUM_WARPS=NUM_WARPS, INTERPRET=interp,
-                IDX_BITS=_IDX_BITS, PRENORM=prenorm is not None,
-                HAS_RES=prenorm is not None and prenorm.residual is not None, num_warps=NUM_WARPS)
+                IDX_BITS=_IDX_BITS, num_warps=NUM_WARPS)
     phases = (0, 4, 1, 2) if phased else (0, 4, 5) if route_launch else (3,)
     for phase in phases:
         if phase == 4:  # the routing: one program of one warp

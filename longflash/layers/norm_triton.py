@@ -44,25 +44,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps, 
     tl.store(out_ptr + r64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def prenorm_input(x_ptrs, r_ptrs, mask, HAS_RES: tl.constexpr):
-    """fp32 ``s = x`` or, with ``HAS_RES``, ``x + residual`` rounded to x's dtype (a PyTorch add, as
-    :func:`_rms_norm_kernel`); 0 where masked. For kernels that normalize their input in their prologue
-    (``norm.PreNorm``): the one-token GEMV and MoE kernels."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    s = x.to(tl.float32)
-    if HAS_RES:
-        s = (s + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype).to(tl.float32)
-    return s
-
-
-@triton.jit
-def prenorm_apply(s, inv_rms, w, DT: tl.constexpr):
-    """RMSNorm's rounding points (:func:`_rms_norm_kernel`): ``s * inv_rms`` rounded to DT, times the weight
-    ``w``, rounded to DT (shapes broadcast; ``inv_rms = rsqrt(mean(s^2) + eps)``)."""
-    return ((s * inv_rms).to(DT).to(tl.float32) * w.to(tl.float32)).to(DT)
-
-
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
     t2 = t.reshape(-1, D)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()

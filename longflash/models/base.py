@@ -35,11 +35,6 @@ class KVCacheSpec:
         return (self.num_planes, num_blocks, block_size, *self.row_shape)
 
 
-# Whether PreNormDecoderLayer hands its norms to sub-layers that fuse them (``takes_prenorm``); off, every norm
-# is its own launch (the baseline of ``benchmarks/e2e_decode.py --baselines prenorm-launches``).
-PRENORM_FUSION = True
-
-
 class PreNormDecoderLayer(nn.Module):
     """A pre-norm residual layer ``x += self_attn(input_layernorm(x)); x += feed_forward(
     post_attention_layernorm(x))`` (DeepSeek-V3, Qwen3, Kimi-Linear) that carries the residual stream
@@ -55,20 +50,11 @@ class PreNormDecoderLayer(nn.Module):
         return self.mlp(h)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # A sub-layer with ``takes_prenorm`` (MLA, MoE) gets its norm as a ``norm.PreNorm`` and applies it in its
-        # first kernel's prologue where it can (one launch less per norm at batch 1, session 28).
-        if PRENORM_FUSION and getattr(self.self_attn, "takes_prenorm", False):
-            a, residual = self.self_attn(x, prenorm=self.input_layernorm.pending(residual))
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
         else:
-            if residual is None:
-                residual, h = x, self.input_layernorm(x)
-            else:
-                h, residual = self.input_layernorm(x, residual)
-            a = self.self_attn(h)
-        if PRENORM_FUSION and type(self).feed_forward is PreNormDecoderLayer.feed_forward \
-                and getattr(self.mlp, "takes_prenorm", False):
-            return self.mlp(a, prenorm=self.post_attention_layernorm.pending(residual))
-        h, residual = self.post_attention_layernorm(a, residual)
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h), residual)
         return self.feed_forward(h), residual
 
 

@@ -60,8 +60,7 @@ T0 = time.perf_counter()
 # --baselines: name -> (module, switch) set to False for that run (issue 10's "report ratios against a
 # baseline measured in the same run")
 BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL"),
-             "moe-launches": ("longflash.layers.moe", "ONE_TOKEN_KERNEL"),
-             "no-weight-prefetch": ("longflash.runner.weight_prefetch", "ENABLED")}
+             "moe-launches": ("longflash.layers.moe", "ONE_TOKEN_KERNEL")}
 
 
 def model_config(dev: torch.device, max_len: int) -> tuple[dict, torch.dtype]:
@@ -486,9 +485,7 @@ def main() -> int:
                          "'cublas' = every few-row GEMM on cuBLAS (longflash.layers.gemv.enabled = False), "
                          "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False), "
                          "'moe-launches' = one-token MoE sub-layers as separate launches instead of the one-token "
-                         "kernel (longflash.layers.moe.ONE_TOKEN_KERNEL = False; CUDA only, on the CPU the same path), "
-                         "'no-weight-prefetch' = no side-stream L2 prefetch of each layer's weights in few-token "
-                         "steps (longflash.runner.weight_prefetch.ENABLED = False)")
+                         "kernel (longflash.layers.moe.ONE_TOKEN_KERNEL = False; CUDA only, on the CPU the same path)")
     ap.add_argument("--repeat-default", action="store_true",
                     help="after the baselines, run the default configuration once more (longflash_again): "
                          "the drift between runs in one process")

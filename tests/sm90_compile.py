@@ -24,3 +24,24 @@ def compile_report(test_file: str, timeout_s: int = 300) -> dict:
                        timeout=timeout_s)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """{"regs", "spill_bytes"} of ``ptx`` by Triton's bundled ptxas for sm_90a (``-v``), for the compile tests'
+    register and spill checks (a CompiledKernel reports them only once loaded on a GPU)."""
+    import re
+    import tempfile
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                              text=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    return {"regs": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None}

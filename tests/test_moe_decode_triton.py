@@ -7,7 +7,8 @@ the reference equals the engine's ``MoE`` layer (router, noaux_tc routing, route
   persistent launch; with one program the barriers open at once, so their targets are checked only on the
   GPU) and as phase launches of 1, 3 and 7 programs (the work split; with 3, two gate/up blocks per step and 16-row down blocks), with odd sizes (D 70, I 12), without
   shared experts, without bias, one group, top_k = E, a strided x and bias; refused inputs name the problem;
-  where ``MoE.forward`` takes the kernel;
+  where ``MoE.forward`` takes the kernel; every launch compiles for sm_90 without spills and issues its L2
+  prefetches (Triton's bundled ptxas, no GPU);
 - GPU (skipped without CUDA): bf16 at the DeepSeek-V3-shaped benchmark model's shapes (D 2048, 64 experts
   top-6 in 8 groups, I 256, two shared experts), each launch form against the reference, with and without
   the L2 prefetch and with two gate/up blocks per step (bitwise equal), with 16-row down blocks, and 200 persistent calls over 4 inputs each bitwise equal to a one-program
@@ -236,3 +237,53 @@ def test_gpu_moe_forward_one_token_kernel():
             static.copy_(x)
             g.replay()
             assert torch.equal(out, want)
+
+
+def _compile_sm90() -> dict:
+    """Compile each launch of the kernel (PHASE 0, 4, 5 and the single launch 3) for sm_90 at the benchmark
+    model's shapes with the JIT's divisibility of the sizes (Triton's bundled ptxas, no GPU): registers,
+    spilled bytes and the L2 prefetch instructions of each."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from longflash.layers import moe_decode_triton as m
+    from longflash.layers.moe_router_triton import _IDX_BITS
+    from sm90_compile import ptxas_usage
+    types = dict(x_ptr="*bf16", rw_ptr="*fp32", bias_ptr="*fp32", w13_ptr="*bf16", w2_ptr="*bf16", sw13_ptr="*bf16",
+                 sw2_ptr="*bf16", part_ptr="*fp32", rid_ptr="*i64", rwt_ptr="*fp32", g_ptr="*bf16", gs_ptr="*bf16",
+                 y_ptr="*bf16", bar_ptr="*i32", D="i32", I="i32", IS="i32", n_slices="i32", scale="fp32")
+    names = m._moe_decode_kernel.arg_names
+    div16 = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if types.get(n, "").startswith("*") or n in ("D", "I", "IS")}
+    out = {}
+    for phase in (0, 4, 5, 3):
+        const = dict(E_P=64, N_GROUP=8, GROUP_SIZE=8, NG_P=8, GS_P=8, TOP_K=6, TOPK_GROUP=4, HAS_BIAS=True,
+                     RENORM=True, HAS_SHARED=True, I_P=256, IS_P=512, RK=64, K_STEP=2048, NS_C=32, TK_P=8,
+                     DOWN_ROWS=16, PREFETCH=True, ELT=2, NUM_WARPS=8, GATE_PAIR=False, PHASE=phase, INTERPRET=False,
+                     IDX_BITS=_IDX_BITS)
+        c = triton.compile(ASTSource(m._moe_decode_kernel, {n: types.get(n, "constexpr") for n in names},
+                                     constexprs={(names.index(n),): v for n, v in const.items()}, attrs=div16),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1 if phase == 4 else 8))
+        use = ptxas_usage(c.asm["ptx"])
+        out[str(phase)] = {"ok": bool(c.asm.get("cubin")), "regs": use["regs"], "spills": use["spill_bytes"],
+                           "prefetch": c.asm["ptx"].count("prefetch.global.L2::evict_last")}
+    return out
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    """Every launch compiles for sm_90 without spills (8 warps; the routing launch 1 warp), and the launches that
+    know the routing or the shared weights issue their L2 prefetches (phase 0: the shared down rows; 5 and 3:
+    the chosen experts' rows); the routing launch issues none."""
+    from sm90_compile import compile_report
+    res = compile_report(__file__)
+    assert set(res) == {"0", "4", "5", "3"} and all(v["ok"] and v["spills"] == 0 for v in res.values()), res
+    assert res["0"]["prefetch"] > 0 and res["5"]["prefetch"] > 0 and res["3"]["prefetch"] > 0, res
+    assert res["4"]["prefetch"] == 0, res
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    if "--compile-sm90" in sys.argv:
+        print(json.dumps(_compile_sm90()))

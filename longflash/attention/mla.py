@@ -90,7 +90,6 @@ class MLAAttention(nn.Module):
         self.context_workspace_rows: int = DEFAULT_CONTEXT_WORKSPACE_ROWS
         self.qkv_a_weight: torch.Tensor | None = None  # [q_lora_rank + kv_lora_rank + rope, hidden] once fused
         self.w_uk_t: torch.Tensor | None = None  # [H, kv_lora_rank, qk_nope] contiguous, once made (make_w_uk_t)
-        self.prefetch_hook = None  # called once q is projected (runner/weight_prefetch.py), or None
 
     def fuse_qkv_a(self) -> None:
         """Compute ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both replicated, both reading the layer's
@@ -118,22 +117,6 @@ class MLAAttention(nn.Module):
         if self.w_uk_t is None and gemv.enabled:
             self.w_uk_t = self._w_uk_uv()[0].detach().transpose(1, 2).contiguous()
 
-    def decode_weights(self) -> list[torch.Tensor]:
-        """The weights an absorbed decode step reads, in order (``runner/weight_prefetch.py``): q_a and kv_a
-        (fused or not) or q_proj, q_b, W_UK (its transposed copy when made), kv_b (for W_UV), g_proj, o_proj."""
-        if self.q_lora_rank is None:
-            ws = [self.q_proj.weight, self.kv_a_proj_with_mqa.weight]
-        elif self.qkv_a_weight is not None:
-            ws = [self.qkv_a_weight, self.q_b_proj.weight]
-        else:
-            ws = [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight, self.q_b_proj.weight]
-        if self.w_uk_t is not None:
-            ws.append(self.w_uk_t)
-        ws.append(self.kv_b_proj.weight)
-        if self.g_proj is not None:
-            ws.append(self.g_proj.weight)
-        return ws + [self.o_proj.weight]
-
     # W_UK: [H, qk_nope, R], W_UV: [H, v, R] views of kv_b_proj.weight [H*(nope+v), R].
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
@@ -155,8 +138,6 @@ class MLAAttention(nn.Module):
             else:
                 q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
-        if self.prefetch_hook is not None:  # the layer's later weights into L2 on a side stream
-            self.prefetch_hook()
         q = q.view(T, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)

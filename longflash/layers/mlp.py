@@ -53,11 +53,6 @@ class GatedMLP(nn.Module):
         g.data, u.data = w[:g.shape[0]], w[g.shape[0]:]
         self.gate_up_weight = w
 
-    def decode_weights(self) -> list[torch.Tensor]:
-        """The weights a forward reads, in order (``runner/weight_prefetch.py``): gate/up (fused or not), down."""
-        gu = [self.gate_up_weight] if self.gate_up_weight is not None else [self.gate_proj.weight, self.up_proj.weight]
-        return gu + [self.down_proj.weight]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gu = gemv.linear(x, self.gate_up_weight)

@@ -189,17 +189,6 @@ class MoE(nn.Module):
             self._stacked = stack_expert_weights(self.experts)
         return self._stacked
 
-    def decode_weights(self) -> list[torch.Tensor]:
-        """The weights every token reads, in order (``runner/weight_prefetch.py``): the router, the latent
-        projection if any, the shared experts; not the routed experts (which depend on the routing; the
-        one-token kernel prefetches the chosen ones itself)."""
-        ws = [self.gate.weight]
-        if self.latent_size:
-            ws.append(self.routed_expert_down_proj.weight)
-        if self.shared_experts is not None:
-            ws += self.shared_experts.decode_weights()
-        return ws
-
     def one_token_weights(self, x: torch.Tensor) -> tuple | None:
         """The weights :func:`~longflash.layers.moe_decode_triton.moe_decode_triton` takes for ``x``
         (router weight and bias, stacked w13 / w2, the shared experts' fused gate/up and down), or None where

@@ -138,7 +138,7 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
     DT: tl.constexpr = y_ptr.dtype.element_ty
     before = 0
     if PREFETCH & ((PHASE == 0) | (PHASE == 3)) & HAS_SHARED:  # the shared experts' down rows (phase 2) into L2
-        prefetch_l2(sw2_ptr, D * IS * ELT, pid, P, 32 * NUM_WARPS, INTERPRET, True)
+        prefetch_l2(sw2_ptr, D * IS * ELT, pid, P, 32 * NUM_WARPS, INTERPRET)
     if (PHASE == 0) | (PHASE == 3):
         # router partial logits: slice s of the hidden dim, all experts (fp32 router weights)
         # (grid-stride while loops: the interpreter cannot run a for loop over run-time bounds)
@@ -179,10 +179,10 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
         # rows (phase 1), then their down rows (phase 2); the grid splits each range
         for t in tl.static_range(TOP_K):
             prefetch_l2(w13_ptr + _slot_expert(eid, k, t) * (2 * I) * D, 2 * I * D * ELT, pid, P,
-                        32 * NUM_WARPS, INTERPRET, True)
+                        32 * NUM_WARPS, INTERPRET)
         for t in tl.static_range(TOP_K):
             prefetch_l2(w2_ptr + _slot_expert(eid, k, t) * D * I, D * I * ELT, pid, P,
-                        32 * NUM_WARPS, INTERPRET, True)
+                        32 * NUM_WARPS, INTERPRET)
     if (PHASE == 1) | (PHASE == 3) | (PHASE == 5):
         # the chosen experts' gate/up rows: TOP_K x 2I rows in blocks of 8, spread over the programs
         blocks = tl.cdiv(2 * I, 8)

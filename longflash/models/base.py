@@ -49,15 +49,6 @@ class PreNormDecoderLayer(nn.Module):
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.mlp(h)
 
-    def decode_weights(self) -> list[torch.Tensor] | None:
-        """The weights a decode step of this layer reads, in order (``runner/weight_prefetch.py``), or None
-        when a sub-layer does not list them."""
-        fa, fm = getattr(self.self_attn, "decode_weights", None), getattr(getattr(self, "mlp", None),
-                                                                         "decode_weights", None)
-        if fa is None or fm is None or type(self).feed_forward is not PreNormDecoderLayer.feed_forward:
-            return None
-        return fa() + fm()
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = x, self.input_layernorm(x)
@@ -83,27 +74,17 @@ class DecoderStack(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, tp=tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
-        self.weight_prefetch = None  # runner.weight_prefetch.WeightPrefetcher, set by prepare_uniform_model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        pf = self.weight_prefetch if self.weight_prefetch is not None and self.weight_prefetch.applies(x) else None
-        if pf is not None:  # each layer's attention starts its prefetch (prefetch_hook); joined at the layer's end
-            pf.active = True
-        try:
-            for i, layer in enumerate(self.layers):
-                if getattr(layer, "carries_residual", False):
-                    x, residual = layer(x, residual)
-                else:
-                    if residual is not None:
-                        x, residual = x + residual, None
-                    x = layer(x)
-                if pf is not None:
-                    pf.finish(i)
-        finally:
-            if pf is not None:
-                pf.active = False
+        for layer in self.layers:
+            if getattr(layer, "carries_residual", False):
+                x, residual = layer(x, residual)
+                continue
+            if residual is not None:
+                x, residual = x + residual, None
+            x = layer(x)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 

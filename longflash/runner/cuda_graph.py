@@ -40,9 +40,7 @@ def prepare_uniform_model(model) -> None:
     (``MoE.stack_experts``), one GEMM for gate + up of every other ``GatedMLP`` (``fuse_gate_up``; the
     routed experts keep views of their stacked weights instead), one GEMM for MLA's q_a and kv_a
     projections (``MLAAttention.fuse_qkv_a``). Parameters become views; no copy is kept, except MLA's
-    transposed W_UK for the few-row query absorption (``MLAAttention.make_w_uk_t``). Then a
-    ``DecoderStack``'s weight prefetcher for few-token steps (``runner/weight_prefetch.py``), made after the
-    fusions so that it lists the fused weights."""
+    transposed W_UK for the few-row query absorption (``MLAAttention.make_w_uk_t``)."""
     routed = {id(e) for m in model.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList)
               for e in m.experts}
     for m in model.modules():
@@ -53,12 +51,6 @@ def prepare_uniform_model(model) -> None:
         if hasattr(m, "fuse_qkv_a"):
             m.fuse_qkv_a()
             m.make_w_uk_t()
-    stack = getattr(model, "model", None)
-    single = not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                  and torch.distributed.get_world_size() > 1)  # (a side stream beside collectives: untested)
-    if hasattr(stack, "weight_prefetch") and single and next(model.parameters()).is_cuda:
-        from longflash.runner.weight_prefetch import WeightPrefetcher
-        stack.weight_prefetch = WeightPrefetcher.build(stack.layers)
 
 
 def release_graphs(graphs: dict) -> None:

@@ -4,8 +4,8 @@ The engine's path before session 27 is ``MoE.forward`` with ``moe.ONE_TOKEN_KERN
 the routing kernel, the shared experts' GEMVs, alignment, two grouped GEMMs, activations, combine), with the
 shared experts' gate/up fused as the engine does; with it on (the default) ``MoE.forward`` runs the kernel.
 The kernel is ``layers/moe_decode_triton.moe_decode_triton``: its default three launches (phase 0, the
-routing, phases 1-2 with a grid barrier) with and without the L2 prefetch and with two gate/up blocks per
-step (``gate_pair``) and 4-row down blocks (``down_rows``, the default 16 since session 28), the single persistent launch (every program
+routing, phases 1-2 with a grid barrier) with and without the L2 prefetch and with 4-row down blocks
+(``down_rows``, the default 16 since session 28), the single persistent launch (every program
 routes) with and without the prefetch, and the four phase launches. On the CPU (a smoke run) ``MoE.forward``
 takes its CPU path in both engine rows. Shapes are those of ``e2e_decode.py``'s DeepSeek-V3-shaped model:
 hidden 2048, 64 experts top-6 in 8 groups (4 kept), I 256, two shared experts, bf16.
@@ -93,11 +93,7 @@ def main() -> int:
                     "three launches, no L2 prefetch": lambda L: moe_decode_triton(x, *L[1], *route, prefetch=False),
                     "one launch, no L2 prefetch": lambda L: moe_decode_triton(x, *L[1], *route, route_launch=False,
                                                                               prefetch=False),
-                    "three launches, two gate/up blocks per step": lambda L: moe_decode_triton(x, *L[1], *route,
-                                                                                               gate_pair=True),
                     "three launches, 4-row down blocks": lambda L: moe_decode_triton(x, *L[1], *route, down_rows=4),
-                    "three launches, two gate/up blocks, 4-row down blocks": lambda L: moe_decode_triton(
-                        x, *L[1], *route, gate_pair=True, down_rows=4),
                     "one launch (routing in every program)": lambda L: moe_decode_triton(x, *L[1], *route,
                                                                                          route_launch=False),
                     "four phase launches (no grid barrier)": lambda L: moe_decode_triton(x, *L[1], *route, phased=True)}

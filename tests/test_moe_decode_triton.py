@@ -5,13 +5,13 @@ the reference equals the engine's ``MoE`` layer (router, noaux_tc routing, route
   ``TRITON_INTERPRET=1`` (a subprocess: set before Triton is imported) in fp32 and fp16, in its three launch
   forms with one program (the default: phase 0, the routing launch, phases 1-2 with a barrier; the single
   persistent launch; with one program the barriers open at once, so their targets are checked only on the
-  GPU) and as phase launches of 1, 3 and 7 programs (the work split; with 3, two gate/up blocks per step and 16-row down blocks), with odd sizes (D 70, I 12), without
+  GPU) and as phase launches of 1, 3 and 7 programs (the work split; with 3 also 4-row down blocks), with odd sizes (D 70, I 12), without
   shared experts, without bias, one group, top_k = E, a strided x and bias; refused inputs name the problem;
   where ``MoE.forward`` takes the kernel; every launch compiles for sm_90 without spills and issues its L2
   prefetches (Triton's bundled ptxas, no GPU);
 - GPU (skipped without CUDA): bf16 at the DeepSeek-V3-shaped benchmark model's shapes (D 2048, 64 experts
   top-6 in 8 groups, I 256, two shared experts), each launch form against the reference, with and without
-  the L2 prefetch and with two gate/up blocks per step (bitwise equal), with 16-row down blocks, and 200 persistent calls over 4 inputs each bitwise equal to a one-program
+  the L2 prefetch (bitwise equal), with 4-row down blocks, and 200 persistent calls over 4 inputs each bitwise equal to a one-program
   call, for the default and the single launch (a stale read across a barrier would show); ``MoE.forward``
   on one token (three launches, equal to the separate launches, captured in a CUDA graph).
 Bounds: |y − ref| ≤ 1e-5 · max |ref| in fp32, 1e-3 in fp16 (sums in another order, one ulp of an intermediate
@@ -58,13 +58,11 @@ def _interpreter_check() -> dict:
         for dt in (torch.float32, torch.float16):
             args = _case(dt=dt, **kw)
             ref = moe_decode_ref(*args, *route)
-            for P, phased, rl, gp, dr in ((1, False, True, False, 16), (1, False, False, False, 16),
-                                          (1, True, True, False, 16), (3, True, True, False, 16),
-                                          (7, True, True, False, 16), (3, True, True, True, 4)):
-                y = moe_decode_triton(*args, *route, programs=P, phased=phased, route_launch=rl, gate_pair=gp,
-                                      down_rows=dr)
+            for P, phased, rl, dr in ((1, False, True, 16), (1, False, False, 16), (1, True, True, 16),
+                                      (3, True, True, 16), (7, True, True, 16), (3, True, True, 4)):
+                y = moe_decode_triton(*args, *route, programs=P, phased=phased, route_launch=rl, down_rows=dr)
                 key = (f"{name} {dt} P{P}{' phased' if phased else ''}{'' if rl else ' one launch'}"
-                       f"{' pairs' if gp else ''} down_rows {dr}")
+                       f" down_rows {dr}")
                 out[key] = [_err(y, ref), BOUND[dt]]
     # a strided x and bias (the kernel reads both as contiguous)
     x, rw, b, w13, w2, s13, s2 = _case()
@@ -151,7 +149,6 @@ def test_gpu_benchmark_model_shapes():
         y = moe_decode_triton(*args, *route, phased=phased, route_launch=rl)
         assert _err(y, ref) <= 2e-2
         assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, prefetch=False), y)
-        assert torch.equal(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, gate_pair=True), y)
         assert _err(moe_decode_triton(*args, *route, phased=phased, route_launch=rl, down_rows=4), ref) <= 2e-2
     # nothing depends on the grid: every persistent launch equals a one-program launch bitwise, call after call
     cases = [_case(D=2048, E=64, I=256, IS=512, dt=torch.bfloat16, device="cuda", seed=s) for s in range(4)]
@@ -260,7 +257,7 @@ def _compile_sm90() -> dict:
     for phase in (0, 4, 5, 3):
         const = dict(E_P=64, N_GROUP=8, GROUP_SIZE=8, NG_P=8, GS_P=8, TOP_K=6, TOPK_GROUP=4, HAS_BIAS=True,
                      RENORM=True, HAS_SHARED=True, I_P=256, IS_P=512, RK=64, K_STEP=2048, NS_C=32, TK_P=8,
-                     DOWN_ROWS=16, PREFETCH=True, ELT=2, NUM_WARPS=8, GATE_PAIR=False, PHASE=phase, INTERPRET=False,
+                     DOWN_ROWS=16, PREFETCH=True, ELT=2, NUM_WARPS=8, PHASE=phase, INTERPRET=False,
                      IDX_BITS=_IDX_BITS)
         c = triton.compile(ASTSource(m._moe_decode_kernel, {n: types.get(n, "constexpr") for n in names},
                                      constexprs={(names.index(n),): v for n, v in const.items()}, attrs=div16),

@@ -131,7 +131,7 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
                        GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        RENORM: tl.constexpr, HAS_SHARED: tl.constexpr, I_P: tl.constexpr, IS_P: tl.constexpr,
                        RK: tl.constexpr, K_STEP: tl.constexpr, NS_C: tl.constexpr, TK_P: tl.constexpr, DOWN_ROWS: tl.constexpr,
-                       PREFETCH: tl.constexpr, ELT: tl.constexpr, NUM_WARPS: tl.constexpr, GATE_PAIR: tl.constexpr,
+                       PREFETCH: tl.constexpr, ELT: tl.constexpr, NUM_WARPS: tl.constexpr,
                        PHASE: tl.constexpr, INTERPRET: tl.constexpr, IDX_BITS: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -187,28 +187,7 @@ def _moe_decode_kernel(x_ptr, rw_ptr, bias_ptr, w13_ptr, w2_ptr, sw13_ptr, sw2_p
         # the chosen experts' gate/up rows: TOP_K x 2I rows in blocks of 8, spread over the programs
         blocks = tl.cdiv(2 * I, 8)
         b = pid
-        if GATE_PAIR:  # (D <= K_STEP) two blocks per step, both loads issued before either reduction; x loaded once
-            kk = tl.arange(0, K_STEP)
-            xk = tl.load(x_ptr + kk, mask=kk < D, other=0.0)
-            while b < TOP_K * blocks:
-                b2 = b + P
-                sl = b // blocks
-                sl2 = b2 // blocks  # >= TOP_K past the last block: expert 0, every load and store masked
-                r = (b % blocks) * 8 + tl.arange(0, 8)
-                r2 = (b2 % blocks) * 8 + tl.arange(0, 8)
-                ok2 = (r2 < 2 * I) & (b2 < TOP_K * blocks)
-                e = _slot_expert(eid, k, sl)
-                e2 = _slot_expert(eid, k, sl2)
-                w = tl.load(w13_ptr + e * (2 * I) * D + r[:, None].to(tl.int64) * D + kk[None, :],
-                            mask=(r < 2 * I)[:, None] & (kk < D)[None, :], other=0.0)
-                w2 = tl.load(w13_ptr + e2 * (2 * I) * D + r2[:, None].to(tl.int64) * D + kk[None, :],
-                             mask=ok2[:, None] & (kk < D)[None, :], other=0.0)
-                v = tl.sum(w.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
-                v2 = tl.sum(w2.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
-                tl.store(g_ptr + sl * (2 * I) + r, v.to(DT), mask=r < 2 * I)
-                tl.store(g_ptr + sl2 * (2 * I) + r2, v2.to(DT), mask=ok2)
-                b += 2 * P
-        while b < TOP_K * blocks:  # (GATE_PAIR: b is past the end here)
+        while b < TOP_K * blocks:
             sl = b // blocks
             e = _slot_expert(eid, k, sl)
             r = (b % blocks) * 8 + tl.arange(0, 8)
@@ -326,7 +305,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
                       w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
                       n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                       routed_scaling_factor: float = 1.0, *, programs: int | None = None,
-                      phased: bool | None = None, route_launch: bool = True, prefetch: bool = True, gate_pair: bool = False,
+                      phased: bool | None = None, route_launch: bool = True, prefetch: bool = True,
                       down_rows: int = 16) -> torch.Tensor:
     """Triton version of :func:`moe_decode_ref`: same arguments (any strides; x and the bias are made
     contiguous, the bias fp32) and result within the sums' order (fp32; in 16-bit dtypes an intermediate
@@ -342,10 +321,9 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     - ``phased``: phase 0, the routing, phase 1, phase 2, four launches without grid barriers (default only
       in the interpreter with more than one program, where a barrier would never open).
     ``prefetch``: the routed experts' weights (and the shared down rows) are prefetched into L2 as soon as
-    the routing is known (``ops/l2_prefetch.py``); it changes no value. ``gate_pair`` (a candidate, not yet
-    timed; hidden sizes <= 2048 only): phase 1 takes two gate/up blocks per step, loading both before
-    reducing either, with x loaded once per program; same sums; measured slower, 18.7 against 18.0 µs for
-    phases 1-2, session 28). ``down_rows``: output rows per block of phase 2 (a power of two, 1..64; default 16,
+    the routing is known (``ops/l2_prefetch.py``); it changes no value. (A ``gate_pair`` option, two gate/up
+    blocks per step of phase 1, measured slower, 18.7 against 18.0 µs for phases 1-2, and was removed in
+    session 28.) ``down_rows``: output rows per block of phase 2 (a power of two, 1..64; default 16,
     one block per program at hidden 2048: phases 1-2 16.0 µs against 18.0 with 4 rows, session 28; sm_90
     compile 158 registers, no spills).
     The barrier counter is kept per device and left at 0. Raises ValueError as the reference, for
@@ -390,7 +368,6 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
                 RENORM=bool(norm_topk_prob), HAS_SHARED=shared_w13 is not None, I_P=triton.next_power_of_2(I),
                 IS_P=triton.next_power_of_2(IS), RK=ROUTER_SLICE, K_STEP=min(BLOCK_K, triton.next_power_of_2(D)),
                 NS_C=min(triton.next_power_of_2(n_slices), max(1, ROUTE_CHUNK // (NG_P * GS_P))), TK_P=TK_P, DOWN_ROWS=down_rows, PREFETCH=bool(prefetch),
-                GATE_PAIR=bool(gate_pair) and triton.next_power_of_2(D) <= BLOCK_K,
                 ELT=x.element_size(), NUM_WARPS=NUM_WARPS, INTERPRET=interp,
                 IDX_BITS=_IDX_BITS, num_warps=NUM_WARPS)
     phases = (0, 4, 1, 2) if phased else (0, 4, 5) if route_launch else (3,)

@@ -486,6 +486,10 @@ def main() -> int:
                          "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False), "
                          "'moe-launches' = one-token MoE sub-layers as separate launches instead of the one-token "
                          "kernel (longflash.layers.moe.ONE_TOKEN_KERNEL = False; CUDA only, on the CPU the same path)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="no kernel profiles (torch.profiler) after the timed runs: a test of whether a profile "
+                         "slows the host work of the later runs in the process (the run-order drift of "
+                         "benchmarks/NOTES.md, sessions 22 and 28)")
     ap.add_argument("--repeat-default", action="store_true",
                     help="after the baselines, run the default configuration once more (longflash_again): "
                          "the drift between runs in one process")
@@ -547,7 +551,7 @@ def main() -> int:
                 setattr(mod, switch[1], False)
             try:
                 res[key] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False, hf_tokens,
-                                      profile_deadline=0.7 * args.budget_s)
+                                      profile_deadline=0.0 if args.no_profile else 0.7 * args.budget_s)
             finally:
                 if mod is not None:
                     setattr(mod, switch[1], True)

@@ -97,6 +97,8 @@ def main() -> int:
                     "one launch (routing in every program)": lambda L: moe_decode_triton(x, *L[1], *route,
                                                                                          route_launch=False),
                     "four phase launches (no grid barrier)": lambda L: moe_decode_triton(x, *L[1], *route, phased=True)}
+        if args.variants and not any(v in name for name in variants for v in args.variants):
+            ap.error(f"no variant name contains any of {args.variants}; the variants: {sorted(variants)}")
         for name, fn in variants.items():
             if args.variants and not any(v in name for v in args.variants):
                 continue

@@ -325,7 +325,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tenso
     blocks per step of phase 1, measured slower, 18.7 against 18.0 µs for phases 1-2, and was removed in
     session 28.) ``down_rows``: output rows per block of phase 2 (a power of two, 1..64; default 16,
     one block per program at hidden 2048: phases 1-2 16.0 µs against 18.0 with 4 rows, session 28; sm_90
-    compile 158 registers, no spills).
+    compile 157 registers, no spills).
     The barrier counter is kept per device and left at 0. Raises ValueError as the reference, for
     ``programs`` not an int >= 1, ``down_rows`` not a power of two in 1..64, and for a persistent launch with more programs
     than SMs (the barriers need all of them resident) or more than one in the interpreter."""

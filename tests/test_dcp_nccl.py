@@ -39,6 +39,15 @@ def test_backend_and_rank_device():
     assert placement.bind_rank_device("cuda", 1) == torch.device("cuda")
 
 
+def test_one_process_on_an_indexed_gpu_makes_it_current(monkeypatch):
+    """``--device cuda:1`` without TP: the device becomes current (Triton launches on the current device)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    assert placement.bind_rank_device("cuda:1", 1) == torch.device("cuda", 1)
+    assert placement.bind_rank_device("cuda", 1) == torch.device("cuda")  # unindexed: left as it is
+    assert calls == [torch.device("cuda", 1)]
+
+
 def test_nccl_env_defaults_never_override_the_user():
     assert placement.NCCL_ENV_DEFAULTS["NCCL_NVLS_ENABLE"] == "0"
     assert placement.NCCL_ENV_DEFAULTS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"

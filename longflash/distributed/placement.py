@@ -137,12 +137,16 @@ def restore_location(location: str, device: torch.device | None) -> str:
 def bind_rank_device(device: str | torch.device, tp_size: int, rank: int = 0) -> torch.device:
     """This process's device, made current: with ``tp_size > 1`` and a CUDA ``device``,
     ``cuda:<local rank>`` (``rank`` for local processes, torchrun's ``LOCAL_RANK`` under torchrun) and
-    ``torch.cuda.set_device`` on it, before anything is allocated there; else ``device`` as given.
+    ``torch.cuda.set_device`` on it, before anything is allocated there; else ``device`` as given, made
+    current when it is an indexed CUDA device (``cuda:1``: Triton launches its kernels on the current
+    device, not on their tensors').
 
     Raises ValueError when the host shows fewer GPUs than the local rank needs.
     """
     dev = torch.device(device)
     if tp_size == 1 or dev.type != "cuda":
+        if dev.type == "cuda" and dev.index is not None:
+            torch.cuda.set_device(dev)
         return dev
     local = local_rank_of(rank)
     visible = torch.cuda.device_count()

@@ -486,6 +486,10 @@ def main() -> int:
                          "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False), "
                          "'moe-launches' = one-token MoE sub-layers as separate launches instead of the one-token "
                          "kernel (longflash.layers.moe.ONE_TOKEN_KERNEL = False; CUDA only, on the CPU the same path)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="longflash's max_model_len, at most the config's 4096 positions (512 with --tiny; "
+                         "default: input + output + 8 rounded up to 64, i.e. 256): under a CUDA graph the "
+                         "attention's split count is chosen for this capacity (NOTES session 28)")
     ap.add_argument("--no-profile", action="store_true",
                     help="no kernel profiles (torch.profiler) after the timed runs: a test of whether a profile "
                          "slows the host work of the later runs in the process (the run-order drift of "
@@ -538,7 +542,7 @@ def main() -> int:
         _free(dev)
         hf_tokens = {b: res["hf"]["runs"][v["experts_implementation"]][str(b)]["tokens"]
                      for b, v in ((int(k), v) for k, v in res["hf"]["best"].items())}
-        max_len = -(-(args.input_len + args.output_len + 8) // 64) * 64
+        max_len = args.max_model_len or -(-(args.input_len + args.output_len + 8) // 64) * 64
         # The default first, then each baseline, then (--repeat-default) the default again: runs in one
         # process drift (session 22 measured the host's share of a step growing from run to run while the
         # graph's own time stayed put), so the repeat shows how much of a difference is order.

@@ -43,6 +43,39 @@ def test_bad_prompts_and_stop_ids(llm):
     assert len(llm.generate(["hi"], sp)[0].outputs[0].token_ids) == 2  # still serving
 
 
+def test_token_id_dict_prompts_are_checked_like_lists(llm):
+    """``{"prompt_token_ids": [...]}`` refuses what the list form refuses (floats, bools, strings, None; a fresh
+    user's ``[1, "2"]`` used to pass, fail in the next step and leave the LLM failing forever), by name."""
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    for bad in ([1, 2.5], [8191.5], [1.0, 2.0], [True, 2], [1, None], [1, "2"], "12", 7):
+        with pytest.raises(ValueError, match="prompt_token_ids must be a list of integer token ids"):
+            llm.generate({"prompt_token_ids": bad}, sp)
+    assert not llm.engine.has_unfinished_requests()
+    import numpy as np
+    ids = [5, 9, 17]
+    want = llm.generate({"prompt_token_ids": ids}, sp)[0].outputs[0].token_ids
+    assert llm.generate({"prompt_token_ids": np.array(ids)}, sp)[0].outputs[0].token_ids == want  # NumPy ints
+
+
+def test_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
+    """An exception out of the engine loop (here a KeyboardInterrupt at the third step) aborts every request of
+    that ``generate`` call: the next call does not silently finish them first."""
+    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    step, calls = llm.engine.step, [0]
+
+    def interrupted():
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return step()
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Once"] * 3, sp)
+    monkeypatch.setattr(llm.engine, "step", step)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert len(llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
 def test_chat_content_parts_and_bad_conversations(llm):
     """LLM.chat takes text parts (joined with newlines, as the server and vLLM do) and refuses what a
     text-only model cannot take by name; generate(None) is a clear error (a fresh user got a TypeError

@@ -101,6 +101,33 @@ def _check_prompt_keys(prompt: dict) -> None:
         raise ValueError("a prompt dict takes 'prompt' (text) or 'prompt_token_ids', not both")
 
 
+
+def tokenize_text(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """:meth:`LLMEngine.tokenize` with a given tokenizer (the server tokenizes long prompts with its own copy
+    on a worker thread). Raises ValueError without a tokenizer, for a non-string, and for text that is not
+    valid Unicode (e.g. lone surrogates from undecodable bytes)."""
+    if tokenizer is None:
+        raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True")
+    if not isinstance(prompt, str):
+        raise ValueError(f"a text prompt must be a string, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at position {e.start})") from None
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+
+def _is_token_id(t) -> bool:
+    """An integer token id (a Python or NumPy integer; not a bool, a float such as 2.0, or a string)."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _first_non_token(ids):
+    """The first element of ``ids`` that is not a token id (or ``ids`` itself when it is not a list)."""
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+        return ids
+    return next((t for t in ids if not _is_token_id(t)), ids)
+
 class LLMEngine:
     """Owns the model runner, scheduler, block manager and tokenizer.
 
@@ -434,15 +461,7 @@ class LLMEngine:
         ``/v1/completions``); a chat prompt is rendered by its template instead (``chat_request.py``).
         Raises ValueError without a tokenizer, for a non-string, and for text that is not valid Unicode
         (e.g. lone surrogates from undecodable bytes)."""
-        if self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True")
-        if not isinstance(prompt, str):
-            raise ValueError(f"a text prompt must be a string, got {type(prompt).__name__}")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at position {e.start})") from None
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return tokenize_text(self.tokenizer, prompt, add_special_tokens)
 
     def new_request_id(self) -> str:
         self._counter += 1
@@ -507,7 +526,13 @@ class LLMEngine:
         text = None
         if isinstance(prompt, dict):
             _check_prompt_keys(prompt)
-            ids = list(prompt.get("prompt_token_ids") or [])
+            ids = prompt.get("prompt_token_ids")
+            ids = [] if ids is None else ids
+            if (isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__")
+                    or not all(_is_token_id(t) for t in ids)):
+                raise ValueError("prompt_token_ids must be a list of integer token ids, got "
+                                 f"{_first_non_token(ids)!r}")
+            ids = [int(t) for t in ids]
             text = prompt.get("prompt")
             if not ids and text is not None:
                 ids = self.tokenize(text)
@@ -515,7 +540,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenize(prompt) if prompt else []
         else:
             if (isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__")
-                    or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)):
+                    or not all(_is_token_id(t) for t in prompt)):
                 raise ValueError("a prompt must be text, a list of integer token ids, or {'prompt_token_ids': [...]}, "
                                  f"got {type(prompt).__name__}")
             ids = [int(t) for t in prompt]

@@ -117,7 +117,13 @@ class LLM:
                 for cid in ids:
                     self.engine.abort_request(cid)
             raise
-        final, failed = self._run([cid for _, ids in groups for cid in ids], use_tqdm)
+        all_ids = [cid for _, ids in groups for cid in ids]
+        try:
+            final, failed = self._run(all_ids, use_tqdm)
+        except BaseException:  # an engine error or KeyboardInterrupt: no request of this call stays queued
+            for cid in all_ids:
+                self.engine.abort_request(cid)
+            raise
         outputs = [None if any(c in failed for c in ids) else
                    final[ids[0]] if len(ids) == 1 else merge_outputs(rid, [final[c] for c in ids])
                    for rid, ids in groups]

@@ -12,12 +12,14 @@ the engine fails a request (the other requests go on).
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import hmac
 import json
 import logging
 import re
 import sys
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import longflash
+from longflash.engine.llm_engine import tokenize_text
 from longflash.entrypoints.chat_request import ChatOptionError, check_messages, render_chat, template_options
 from longflash.entrypoints.chat_utils import check_chat_template, check_content_format
 from longflash.entrypoints.parallel_sampling import child_params, child_request_ids
@@ -130,6 +133,24 @@ def _max_tokens_field(req) -> str:
 # Bodies above this many bytes are decoded and validated in a worker thread (a 12 MB chat body with
 # 400,000 content parts held the event loop for ~2 s: found by a fresh user).
 LARGE_BODY_BYTES = 1 << 20
+# Text prompts (and chat conversations) of at least this many characters are tokenized (rendered) on a worker
+# thread with the server's own tokenizer copy, not on the engine thread between steps: a 3 MB prompt takes ~2-5 s
+# to tokenize, during which every stream would stall (found by a fresh-user review, session 28). Shorter ones
+# take the engine thread (well under a millisecond each).
+LARGE_PROMPT_CHARS = 1 << 16
+
+
+def _conversation_chars(messages: list[dict]) -> int:
+    """The characters of a conversation's text content (strings and text parts; what a chat template renders
+    besides its own markup), to send long conversations off the engine thread (``LARGE_PROMPT_CHARS``)."""
+    n = 0
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(p.get("text") or "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
 
 
 class _Server:
@@ -152,6 +173,16 @@ class _Server:
         self.content_format = check_content_format(chat_template_content_format)
         self.chat_template = None if chat_template is None else check_chat_template(chat_template)
         self.created = int(time.time())
+        # a copy for the worker threads that tokenize long prompts (the engine thread keeps the original); None
+        # (long prompts then take the engine thread too) without a tokenizer or one that cannot be copied
+        self.tokenizer = None
+        if self.engine.tokenizer is not None:
+            try:
+                self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+            except Exception as e:  # noqa: BLE001 — an optimization; the engine thread can still tokenize
+                logger.warning("long prompts will be tokenized on the engine thread: the tokenizer cannot be "
+                               "copied (%s: %s)", type(e).__name__, e)
+        self._tokenizer_lock = threading.Lock()
         gc = self.engine.generation_config
         self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gc}
         if gc.get("do_sample") is False:
@@ -312,6 +343,25 @@ class _Server:
             raise ApiError(400, msg, param=param, code="invalid_value") from None
         except EngineRequestError as e:
             raise ApiError(503, str(e), code=_unavailable_code(e)) from None
+
+    async def off_thread(self, fn: Callable[[Any], list[int]]) -> Callable[[Any], list[int]]:
+        """Run ``fn(tokenizer)`` (a long prompt's tokenization or chat rendering) on a worker thread with the
+        server's tokenizer copy; returns the prompt function the engine thread then calls, which gives the
+        ids or raises ``fn``'s ValueError there (so the error reaches the client as it would on the engine
+        thread)."""
+        def run():
+            with self._tokenizer_lock:
+                try:
+                    return fn(self.tokenizer), None
+                except ValueError as e:
+                    return None, e
+        ids, err = await asyncio.to_thread(run)
+
+        def prompt_fn(engine):
+            if err is not None:
+                raise err
+            return ids
+        return prompt_fn
 
     def abort(self, streams: list[RequestStream]) -> None:
         """Abort the streams' requests that have not finished (fire and forget)."""
@@ -488,16 +538,21 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             messages = _message_dicts(req.messages)
             agp, kwargs = _template_options(req, srv.chat_template, srv.trust_request_chat_template)
 
-        def fn(engine):
-            if engine.tokenizer is None:
+        def fn_of(tokenizer):
+            if tokenizer is None:
                 raise ValueError("the server was started with --skip-tokenizer-init")
             if req.messages is not None:  # the chat route's prompt, from the same options
-                return render_chat(engine.tokenizer, messages, agp, kwargs, srv.content_format,
+                return render_chat(tokenizer, messages, agp, kwargs, srv.content_format,
                                    bool(req.add_special_tokens))[1]
-            return engine.tokenize(req.prompt, req.add_special_tokens is not False)
+            return tokenize_text(tokenizer, req.prompt, req.add_special_tokens is not False)
 
+        chars = _conversation_chars(messages) if req.messages is not None else \
+            len(req.prompt) if isinstance(req.prompt, str) else 0
         try:
-            ids = await async_engine.run(fn)
+            if chars >= LARGE_PROMPT_CHARS and srv.tokenizer is not None:  # off the engine thread (the copy)
+                ids = (await srv.off_thread(fn_of))(None)
+            else:
+                ids = await async_engine.run(lambda engine: fn_of(engine.tokenizer))
         except ValueError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
         return {"count": len(ids), "max_model_len": srv.engine.max_model_len, "tokens": ids}
@@ -547,9 +602,15 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
                 return list(prompt)
             return prompt_fn
 
+        fns = []
+        for p in prompts:  # a long text prompt: tokenized off the engine thread
+            if isinstance(p, str) and len(p) >= LARGE_PROMPT_CHARS and srv.tokenizer is not None:
+                fns.append(await srv.off_thread(lambda tok, p=p: tokenize_text(tok, p, req.add_special_tokens)))
+            else:
+                fns.append(prompt_fn_of(p))
         rid = f"cmpl-{uuid.uuid4().hex}"
         # A batch of prompts (vLLM): prompt p's n choices are choices p*n .. p*n + n - 1; one command queues all.
-        streams = await srv.add(rid, [prompt_fn_of(p) for p in prompts], params)
+        streams = await srv.add(rid, fns, params)
         n_choices = params.n
         created = int(time.time())
         want_lp = req.logprobs is not None
@@ -615,9 +676,15 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         params = srv.sampling_params(req, max_tokens, top_n if req.logprobs else None)
         agp, kwargs = _template_options(req, srv.chat_template, srv.trust_request_chat_template)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await srv.add(rid, lambda engine: render_chat(engine.tokenizer, messages, agp, kwargs,
-                                                                srv.content_format, req.add_special_tokens)[1],
-                                params, _max_tokens_field(req))
+        # a long conversation: rendered and tokenized off the engine thread
+        if _conversation_chars(messages) >= LARGE_PROMPT_CHARS and srv.tokenizer is not None:
+            prompt_fn = await srv.off_thread(lambda tok: render_chat(tok, messages, agp, kwargs, srv.content_format,
+                                                                     req.add_special_tokens)[1])
+        else:
+            def prompt_fn(engine):
+                return render_chat(engine.tokenizer, messages, agp, kwargs, srv.content_format,
+                                   req.add_special_tokens)[1]
+        streams = await srv.add(rid, prompt_fn, params, _max_tokens_field(req))
         created = int(time.time())
 
         if not req.stream:

@@ -194,11 +194,18 @@ def cmd_latency(args) -> int:
 
 
 def _mean_of_iters(its: list[dict]) -> dict:
-    """Metrics of several timed batches: the mean of each numeric metric over the batches, the
+    """Metrics of one batch from several timed batches: the mean of each numeric metric over the batches (a
+    count, an int in every batch, stays an int when its mean is whole: "Successful requests: 1", not 1.0), the
     acceptance length over all drafts (sum of accepted / sum of drafts), and the per-batch
     (output tok/s, mean TPOT ms, acceptance length) under ``iters``."""
-    out = {k: sum(r[k] for r in its) / len(its) for k, v in its[0].items()
-           if isinstance(v, (int, float)) and not isinstance(v, bool) and all(isinstance(r.get(k), (int, float)) for r in its)}
+    def num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    out = {}
+    for k in its[0]:
+        vals = [r.get(k) for r in its]
+        if all(num(v) for v in vals):
+            mean = sum(vals) / len(vals)
+            out[k] = int(mean) if all(isinstance(v, int) for v in vals) and mean == int(mean) else mean
     drafts = sum(r.get("spec_decode_num_drafts", 0) for r in its)
     if drafts:
         accepted = sum(r.get("spec_decode_accepted_tokens", 0) for r in its)

@@ -108,12 +108,14 @@ def test_mean_of_iters_pools_acceptance():
     length pooled over all drafts (not the mean of per-batch ratios)."""
     from longflash.bench import _mean_of_iters
     a = {"output_throughput": 10.0, "mean_tpot_ms": 2.0, "mean_acceptance_length": 2.0,
-         "spec_decode_num_drafts": 10, "spec_decode_accepted_tokens": 10, "model": "x"}
+         "spec_decode_num_drafts": 10, "spec_decode_accepted_tokens": 10, "model": "x", "completed": 4}
     b = {"output_throughput": 30.0, "mean_tpot_ms": 4.0, "mean_acceptance_length": 4.0,
-         "spec_decode_num_drafts": 30, "spec_decode_accepted_tokens": 90, "model": "x"}
+         "spec_decode_num_drafts": 31, "spec_decode_accepted_tokens": 90, "model": "x", "completed": 4}
     m = _mean_of_iters([a, b])
+    assert m["completed"] == 4 and isinstance(m["completed"], int)  # a whole count prints as one
+    assert m["spec_decode_num_drafts"] == 20.5
     assert m["output_throughput"] == 20.0 and m["mean_tpot_ms"] == 3.0
-    assert m["mean_acceptance_length"] == pytest.approx(1 + 100 / 40) and "model" not in m
+    assert m["mean_acceptance_length"] == pytest.approx(1 + 100 / 41) and "model" not in m
     assert [i["mean_tpot_ms"] for i in m["iters"]] == [2.0, 4.0]
 
 

@@ -586,7 +586,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         req: CompletionRequest = await srv.parse(request, CompletionRequest)
         model = srv.check_model(req.model)
         if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo", code="invalid_value")
+            raise ApiError(400, "echo is not supported", param="echo", code="unsupported_field")
         prompts = req.prompt
         if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
             prompts = [prompts]  # one prompt: a string or a list of token ids

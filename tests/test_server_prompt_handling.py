@@ -1,7 +1,8 @@
-"""Long text prompts and conversations are tokenized off the engine thread (``api_server.LARGE_PROMPT_CHARS``,
+"""Server prompt handling (the app in-process). Long text prompts and conversations are tokenized off the engine thread (``api_server.LARGE_PROMPT_CHARS``,
 ``_Server.off_thread``: the server's own tokenizer copy on a worker thread; a fresh user's 30 MB prompt had
 stalled every stream for 45 s while the engine thread tokenized it), with the same results and errors as the
-engine-thread path: the app in-process, the threshold lowered so that short prompts take the new path."""
+engine-thread path (the threshold lowered so that short prompts take the new path); ``echo`` is refused as an
+unsupported field."""
 
 from __future__ import annotations
 
@@ -82,3 +83,15 @@ def test_conversation_chars_counts_text_content():
                                                                                {"type": "image_url", "image_url": {}}]},
             {"role": "assistant", "content": None}]
     assert api_server._conversation_chars(msgs) == 5
+
+
+def test_echo_is_an_unsupported_field(app_and_engine):
+    """``echo: true`` is refused with the code of the other unsupported fields (from the second review)."""
+    app, _ = app_and_engine
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True})
+    r = asyncio.run(go())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_field"
+    assert r.json()["error"]["param"] == "echo"

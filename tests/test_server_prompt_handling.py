@@ -1,4 +1,6 @@
-"""Server prompt handling (the app in-process). Long text prompts and conversations are tokenized off the engine thread (``api_server.LARGE_PROMPT_CHARS``,
+"""Server prompt handling (the app in-process).
+
+Long text prompts and conversations are tokenized off the engine thread (``api_server.LARGE_PROMPT_CHARS``,
 ``_Server.off_thread``: the server's own tokenizer copy on a worker thread; a fresh user's 30 MB prompt had
 stalled every stream for 45 s while the engine thread tokenized it), with the same results and errors as the
 engine-thread path (the threshold lowered so that short prompts take the new path); ``echo`` is refused as an

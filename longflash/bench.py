@@ -123,6 +123,8 @@ def _check_counts(args) -> None:
     sizes = list(getattr(args, "batch_size", [])) + [getattr(args, "num_prompts", 1), args.output_len]
     if min(sizes) < 1:
         raise ValueError("--batch-size, --num-prompts and --output-len must be >= 1")
+    if getattr(args, "input_len", 1) < 1:  # (its upper bound, max_model_len - --output-len, needs the model)
+        raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
     if getattr(args, "num_iters_warmup", 0) < 0:
         raise ValueError("--num-iters-warmup must be >= 0")
     if getattr(args, "num_iters", 1) < 1:

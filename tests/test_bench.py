@@ -127,3 +127,10 @@ def test_bench_serve_bad_rates_are_refused_before_the_server_starts(flags, messa
     r = _cli("serve", "--num-prompts", "2", *flags)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert "started `longflash serve`" not in r.stdout
+
+
+def test_bench_latency_bad_input_len_is_refused_before_the_model_loads():
+    """A fresh user's --input-len 0 was refused only after the model loaded; the other sizes before."""
+    r = _cli("latency", "--batch-size", "1", "--input-len", "0", "--output-len", "4")
+    assert r.returncode == 2 and "--input-len must be >= 1" in r.stderr, r.stderr[-2000:]
+    assert "model loaded" not in r.stderr

@@ -207,3 +207,32 @@ def test_output_kind_final_only_and_cumulative():
     assert sp.output_kind == RequestOutputKind.CUMULATIVE
     with pytest.raises(ValueError, match="DELTA is not supported"):
         eng.add_request(None, "x", SamplingParams(output_kind=RequestOutputKind.DELTA))
+
+
+def test_without_chunked_prefill_a_derived_max_model_len_fits_the_step_budget():
+    """Chunked prefill off and max_model_len left to the engine: max_model_len is lowered to
+    max_num_batched_tokens, so a longer prompt is refused by name (it used to wait forever: the scheduler never
+    fit it into a step; found by a fresh-user review)."""
+    llm = LLM(enable_chunked_prefill=False, max_num_batched_tokens=64, speculative_config="off",
+              kv_cache_memory="16MiB")
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+        llm.generate({"prompt_token_ids": [5] * 100}, SamplingParams(max_tokens=2))
+    out = llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.shutdown()
+
+
+def test_fp16_model_with_its_drafter():
+    """``dtype=float16`` with the default model's DFlash drafter: the drafter's KV pool is fp16 too (it was
+    bf16 and the first draft failed with a dtype mismatch; found by a fresh-user review); greedy tokens equal
+    those without speculative decoding."""
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = []
+    for spec in (None, "off"):
+        llm = LLM(dtype="float16", max_num_seqs=2, speculative_config=spec, kv_cache_memory="64MiB")
+        outs.append([o.outputs[0].token_ids for o in llm.generate(["def fibonacci(n):", "import os"], sp)])
+        if spec is None:
+            assert llm.engine.proposer.pool_dtype == torch.float16
+        llm.shutdown()
+    assert outs[0] == outs[1]

@@ -184,7 +184,8 @@ class LLMEngine:
                 budget -= state_bytes_per_request(self.model.recurrent_state_layers(), self.dtype) * (config.max_num_seqs + 1)
             num_blocks = budget // (self.kv_bytes_per_token * bs)
         if num_blocks < 1:
-            raise ValueError("the KV cache memory budget holds no block; raise --kv-cache-memory")
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {num_blocks}" if config.num_gpu_blocks is not None
+                             else "the KV cache memory budget holds no block; raise --kv-cache-memory")
         self.num_blocks = int(num_blocks)
         capacity = self.num_blocks * bs * dcp
         model_max = int(self.model_config.get("max_position_embeddings") or capacity)
@@ -196,6 +197,14 @@ class LLMEngine:
                 logger.warning("max_model_len lowered from %d (max_position_embeddings) to %d tokens, the KV "
                                "cache's capacity; raise --kv-cache-memory or pass --max-model-len to choose",
                                model_max, capacity)
+            if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+                # a prompt must fit one step without chunked prefill: a longer one would wait forever (an
+                # explicit max_model_len above the budget is refused by EngineConfig)
+                logger.warning("max_model_len lowered from %d to %d tokens, max_num_batched_tokens: without chunked "
+                               "prefill a prompt is computed in one step; raise --max-num-batched-tokens, pass "
+                               "--max-model-len, or enable chunked prefill", self.max_model_len,
+                               config.max_num_batched_tokens)
+                self.max_model_len = config.max_num_batched_tokens
         else:
             if config.max_model_len > model_max:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "

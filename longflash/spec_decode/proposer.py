@@ -46,7 +46,9 @@ class DFlashProposer:
         self.tapper = AuxTapper(target, cfg.target_layer_ids, cfg.aux_hidden_state_mode)
         self.block_size = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
-        self.pool_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+        # the drafter's KV pool in the model dtype (its weights' dtype; an fp16 model had a bf16 pool and failed
+        # in the first draft, found by a fresh-user review)
+        self.pool_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
         self.kv_caches: list[torch.Tensor] = []
         self.uniform = None  # DraftGraphRunner (enable_uniform): uniform batches on persistent inputs
         # Optional MXFP8 drafter input (shared/specs/mxfp8.md): the taps are quantized to MXFP8 and

@@ -101,7 +101,6 @@ def _check_prompt_keys(prompt: dict) -> None:
         raise ValueError("a prompt dict takes 'prompt' (text) or 'prompt_token_ids', not both")
 
 
-
 def tokenize_text(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
     """:meth:`LLMEngine.tokenize` with a given tokenizer (the server tokenizes long prompts with its own copy
     on a worker thread). Raises ValueError without a tokenizer, for a non-string, and for text that is not
@@ -122,11 +121,15 @@ def _is_token_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
-def _first_non_token(ids):
-    """The first element of ``ids`` that is not a token id (or ``ids`` itself when it is not a list)."""
+def _token_ids(ids) -> tuple[list[int] | None, object]:
+    """(``ids`` as a list of ints, None) for an iterable of integer token ids, else (None, the first element
+    that is not a token id, or ``ids`` itself when it is not such an iterable: text, bytes, a number)."""
     if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
-        return ids
-    return next((t for t in ids if not _is_token_id(t)), ids)
+        return None, ids
+    ids = list(ids)
+    bad = [t for t in ids if not _is_token_id(t)][:1]
+    return (None, bad[0]) if bad else ([int(t) for t in ids], None)
+
 
 class LLMEngine:
     """Owns the model runner, scheduler, block manager and tokenizer.
@@ -535,24 +538,20 @@ class LLMEngine:
         text = None
         if isinstance(prompt, dict):
             _check_prompt_keys(prompt)
-            ids = prompt.get("prompt_token_ids")
-            ids = [] if ids is None else ids
-            if (isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__")
-                    or not all(_is_token_id(t) for t in ids)):
-                raise ValueError("prompt_token_ids must be a list of integer token ids, got "
-                                 f"{_first_non_token(ids)!r}")
-            ids = [int(t) for t in ids]
+            raw = prompt.get("prompt_token_ids")
+            ids, bad = _token_ids([] if raw is None else raw)
+            if ids is None:
+                raise ValueError(f"prompt_token_ids must be a list of integer token ids, got {bad!r}")
             text = prompt.get("prompt")
             if not ids and text is not None:
                 ids = self.tokenize(text)
         elif isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt) if prompt else []
         else:
-            if (isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__")
-                    or not all(_is_token_id(t) for t in prompt)):
+            ids, _ = _token_ids(prompt)
+            if ids is None:
                 raise ValueError("a prompt must be text, a list of integer token ids, or {'prompt_token_ids': [...]}, "
                                  f"got {type(prompt).__name__}")
-            ids = [int(t) for t in prompt]
         params.validate()
         for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
                                 ("allowed_token_ids", params.allowed_token_ids or [])):

@@ -1,7 +1,7 @@
 """Server prompt handling (the app in-process).
 
 Long text prompts and conversations are tokenized off the engine thread (``api_server.LARGE_PROMPT_CHARS``,
-``_Server.off_thread``: the server's own tokenizer copy on a worker thread; a fresh user's 30 MB prompt had
+``_Server.prompt_fn``: the server's own tokenizer copy on a worker thread; a fresh user's 30 MB prompt had
 stalled every stream for 45 s while the engine thread tokenized it), with the same results and errors as the
 engine-thread path (the threshold lowered so that short prompts take the new path); ``echo`` is refused as an
 unsupported field."""
@@ -9,6 +9,7 @@ unsupported field."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -69,13 +70,18 @@ def _strip(res):
 def test_long_prompts_take_a_worker_thread_with_the_same_results(app_and_engine, monkeypatch):
     app, engine = app_and_engine
     engine_path = [_strip(r) for r in _run(app)]  # every prompt under the threshold: the engine thread
-    calls = []
-    real_tokenize = engine.tokenize
-    monkeypatch.setattr(engine, "tokenize", lambda *a, **k: calls.append(a) or real_tokenize(*a, **k))
+    calls = []  # (text, tokenized on the engine thread) of the completion and /tokenize text prompts
+    real = api_server.tokenize_text
+
+    def recording(tok, text, *a):
+        calls.append((text, threading.current_thread().name == "longflash-engine"))
+        return real(tok, text, *a)
+    monkeypatch.setattr(api_server, "tokenize_text", recording)
     monkeypatch.setattr(api_server, "LARGE_PROMPT_CHARS", 16)
     worker_path = [_strip(r) for r in _run(app)]
     assert worker_path == engine_path
-    assert [a[0] for a in calls] == ["short"]  # only the short prompt was tokenized by the engine
+    assert [on_engine for text, on_engine in calls if text == "short"] == [True]
+    assert len(calls) == 5 and all(not on_engine for text, on_engine in calls if text != "short")  # long ones
     assert engine_path[5][0] == engine_path[6][0] == 400 and "maximum context length" in engine_path[5][1]
     assert engine_path[0][0] == engine_path[2][0] == 200
 

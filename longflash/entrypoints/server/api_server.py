@@ -344,11 +344,15 @@ class _Server:
         except EngineRequestError as e:
             raise ApiError(503, str(e), code=_unavailable_code(e)) from None
 
-    async def off_thread(self, fn: Callable[[Any], list[int]]) -> Callable[[Any], list[int]]:
-        """Run ``fn(tokenizer)`` (a long prompt's tokenization or chat rendering) on a worker thread with the
-        server's tokenizer copy; returns the prompt function the engine thread then calls, which gives the
-        ids or raises ``fn``'s ValueError there (so the error reaches the client as it would on the engine
-        thread)."""
+    async def prompt_fn(self, fn: Callable[[Any], list[int]], chars: int) -> Callable[[Any], list[int]]:
+        """The prompt function (engine -> token ids) the engine thread calls for a prompt that ``fn(tokenizer)``
+        tokenizes (or renders): ``fn`` on the engine's tokenizer there, or, for a prompt of ``chars`` >=
+        ``LARGE_PROMPT_CHARS`` characters, ``fn`` run now on a worker thread with the server's tokenizer copy,
+        the engine thread then only taking its ids or raising its ValueError (so the error reaches the client
+        as it would from the engine thread)."""
+        if chars < LARGE_PROMPT_CHARS or self.tokenizer is None:
+            return lambda engine: fn(engine.tokenizer)
+
         def run():
             with self._tokenizer_lock:
                 try:
@@ -357,11 +361,11 @@ class _Server:
                     return None, e
         ids, err = await asyncio.to_thread(run)
 
-        def prompt_fn(engine):
+        def computed(engine):
             if err is not None:
                 raise err
             return ids
-        return prompt_fn
+        return computed
 
     def abort(self, streams: list[RequestStream]) -> None:
         """Abort the streams' requests that have not finished (fire and forget)."""
@@ -549,10 +553,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         chars = _conversation_chars(messages) if req.messages is not None else \
             len(req.prompt) if isinstance(req.prompt, str) else 0
         try:
-            if chars >= LARGE_PROMPT_CHARS and srv.tokenizer is not None:  # off the engine thread (the copy)
-                ids = (await srv.off_thread(fn_of))(None)
-            else:
-                ids = await async_engine.run(lambda engine: fn_of(engine.tokenizer))
+            ids = await async_engine.run(await srv.prompt_fn(fn_of, chars))
         except ValueError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
         return {"count": len(ids), "max_model_len": srv.engine.max_model_len, "tokens": ids}
@@ -595,19 +596,13 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
             raise ApiError(400, f"a batch of {len(prompts)} prompts x n = {params.n} asks for {len(prompts) * params.n} "
                            f"completions; at most {MAX_N} per request", param="prompt", code="invalid_value")
 
-        def prompt_fn_of(prompt):
-            def prompt_fn(engine):
-                if isinstance(prompt, str):
-                    return engine.tokenize(prompt, req.add_special_tokens) if prompt else []
-                return list(prompt)
-            return prompt_fn
-
         fns = []
-        for p in prompts:  # a long text prompt: tokenized off the engine thread
-            if isinstance(p, str) and len(p) >= LARGE_PROMPT_CHARS and srv.tokenizer is not None:
-                fns.append(await srv.off_thread(lambda tok, p=p: tokenize_text(tok, p, req.add_special_tokens)))
+        for p in prompts:  # text (a long one tokenized off the engine thread) or token ids
+            if isinstance(p, str):
+                fns.append(await srv.prompt_fn(lambda tok, p=p: tokenize_text(tok, p, req.add_special_tokens)
+                                               if p else [], len(p)))
             else:
-                fns.append(prompt_fn_of(p))
+                fns.append(lambda engine, p=p: list(p))
         rid = f"cmpl-{uuid.uuid4().hex}"
         # A batch of prompts (vLLM): prompt p's n choices are choices p*n .. p*n + n - 1; one command queues all.
         streams = await srv.add(rid, fns, params)
@@ -676,14 +671,9 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str], model_pa
         params = srv.sampling_params(req, max_tokens, top_n if req.logprobs else None)
         agp, kwargs = _template_options(req, srv.chat_template, srv.trust_request_chat_template)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        # a long conversation: rendered and tokenized off the engine thread
-        if _conversation_chars(messages) >= LARGE_PROMPT_CHARS and srv.tokenizer is not None:
-            prompt_fn = await srv.off_thread(lambda tok: render_chat(tok, messages, agp, kwargs, srv.content_format,
-                                                                     req.add_special_tokens)[1])
-        else:
-            def prompt_fn(engine):
-                return render_chat(engine.tokenizer, messages, agp, kwargs, srv.content_format,
-                                   req.add_special_tokens)[1]
+        def render(tok):
+            return render_chat(tok, messages, agp, kwargs, srv.content_format, req.add_special_tokens)[1]
+        prompt_fn = await srv.prompt_fn(render, _conversation_chars(messages))
         streams = await srv.add(rid, prompt_fn, params, _max_tokens_field(req))
         created = int(time.time())
 

@@ -5,9 +5,9 @@ Why: the engine reads every row's argmax once per decode step (the greedy tokens
 PyTorch reduces a row in one thread block, so at batch 1 one SM reads the whole vocabulary row: 27-28 µs
 per step for DeepSeek-V3's 129,280 logits on an H200 (the profile in
 ``benchmarks/results/e2e_decode_prenorm_first.h200.json``; a ~2 ms step), against 1.6 µs for this kernel's
-first stage (``e2e_decode_prenorm.h200.json``). Here stage 1 gives each program ``CHUNK`` logits of one row (a few hundred programs at batch
-1) and writes the chunk's maximum, its first index and whether it holds a NaN; stage 2 scans a row's chunks in
-order. The result does not depend on the chunking: the first index of the maximum (or of the first NaN).
+first stage (``e2e_decode_prenorm.h200.json``). Here stage 1 gives each program ``CHUNK`` logits of one row
+(127 programs per row at batch 1) and writes the chunk's maximum, its first index and whether it holds a NaN;
+stage 2 scans a row's chunks in order. The result does not depend on the chunking: the first index of the maximum (or of the first NaN).
 """
 
 from __future__ import annotations

@@ -55,6 +55,11 @@ def test_token_id_dict_prompts_are_checked_like_lists(llm):
     ids = [5, 9, 17]
     want = llm.generate({"prompt_token_ids": ids}, sp)[0].outputs[0].token_ids
     assert llm.generate({"prompt_token_ids": np.array(ids)}, sp)[0].outputs[0].token_ids == want  # NumPy ints
+    # a key set to None counts as left out (a final fresh-user check)
+    assert llm.generate({"prompt_token_ids": None, "prompt": "hi"}, sp)[0].outputs[0].token_ids == \
+        llm.generate("hi", sp)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate({"prompt_token_ids": ids, "prompt": "hi"}, sp)
 
 
 def test_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):

@@ -89,7 +89,8 @@ _MULTIMODAL_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_mod
 def _check_prompt_keys(prompt: dict) -> None:
     """A prompt dict is vLLM's TextPrompt ``{"prompt": text}`` or TokensPrompt ``{"prompt_token_ids":
     [...]}``. Raises ValueError naming an unknown key, a multimodal key (the models take text only), or
-    both ``prompt`` and ``prompt_token_ids`` (which one would be used is ambiguous)."""
+    both ``prompt`` and ``prompt_token_ids`` (which one would be used is ambiguous; a key set to None counts as
+    left out)."""
     extra = [k for k in prompt if k not in ("prompt", "prompt_token_ids")]
     if extra:
         media = [k for k in extra if k in _MULTIMODAL_PROMPT_KEYS]
@@ -97,7 +98,7 @@ def _check_prompt_keys(prompt: dict) -> None:
             raise ValueError(f"prompt key {media[0]!r} is not supported: the models take text only")
         raise ValueError(f"unknown prompt key(s) {', '.join(map(repr, extra))}: a prompt dict takes 'prompt' (text) "
                          "or 'prompt_token_ids' (a list of token ids), as vLLM's TextPrompt / TokensPrompt")
-    if "prompt" in prompt and "prompt_token_ids" in prompt:
+    if prompt.get("prompt") is not None and prompt.get("prompt_token_ids") is not None:
         raise ValueError("a prompt dict takes 'prompt' (text) or 'prompt_token_ids', not both")
 
 

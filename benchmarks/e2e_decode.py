@@ -60,7 +60,8 @@ T0 = time.perf_counter()
 # --baselines: name -> (module, switch) set to False for that run (issue 10's "report ratios against a
 # baseline measured in the same run")
 BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL"),
-             "moe-launches": ("longflash.layers.moe", "ONE_TOKEN_KERNEL")}
+             "moe-launches": ("longflash.layers.moe", "ONE_TOKEN_KERNEL"),
+             "sync-scheduling": ("EngineConfig", "async_scheduling")}  # an engine setting, not a module switch
 
 
 def model_config(dev: torch.device, max_len: int) -> tuple[dict, torch.dtype]:
@@ -550,12 +551,14 @@ def main() -> int:
             (["longflash_again"] if args.repeat_default else [])
         for key in runs:
             switch = BASELINES.get(key[len("longflash_"):])
-            mod = importlib.import_module(switch[0]) if switch else None
+            engine_kw = {switch[1]: False} if switch and switch[0] == "EngineConfig" else None
+            mod = importlib.import_module(switch[0]) if switch and not engine_kw else None
             if mod is not None:
                 setattr(mod, switch[1], False)
             try:
                 res[key] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False, hf_tokens,
-                                      profile_deadline=0.0 if args.no_profile else 0.7 * args.budget_s)
+                                      profile_deadline=0.0 if args.no_profile else 0.7 * args.budget_s,
+                                      engine_kw=engine_kw)
             finally:
                 if mod is not None:
                     setattr(mod, switch[1], True)

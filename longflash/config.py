@@ -126,6 +126,9 @@ class EngineConfig:
     # Seconds a collective may wait for a peer before the engine fails (a dead worker never hangs it).
     distributed_timeout_s: float = 60.0
     enforce_eager: bool = False
+    # Launch a plain greedy decode step before the previous one's tokens are read (vLLM's
+    # --async-scheduling; engine/async_scheduling.py). None: on for CUDA, off on the CPU.
+    async_scheduling: bool | None = None
     # {"method": "dflash", "model": PATH, "num_speculative_tokens": K}, a JSON string of it, "off",
     # or None (the default model uses its shipped drafter; other models run without).
     speculative_config: dict | str | None = None
@@ -165,6 +168,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be one of auto, bfloat16, fp8 (= fp8_e4m3); "
                              f"got {self.kv_cache_dtype!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError(f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
         if self.calculate_kv_scales and self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):

@@ -118,6 +118,8 @@ class DCPModelRunner(ModelRunner):
     logical block (``block_size * dcp_size`` tokens), as the base ``prepare`` indexes block tables.
     """
 
+    supports_async_scheduling = False  # every step is posted to the worker ranks by rank 0
+
     def __init__(self, model, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype, device: torch.device,
                  calculate_kv_scales: bool = False, context_workspace_rows: int | None = None, *,
                  parallel: ParallelState, channel: StepChannel, proposer=None):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from longflash.config import EngineConfig, resolve_dtype
+from longflash.engine.async_scheduling import AheadStep, AsyncDecode
 from longflash.distributed import comm, placement
 from longflash.engine.block_manager import BlockManager
 from longflash.engine.scheduler import Scheduler
@@ -242,6 +243,8 @@ class LLMEngine:
         # (request_id, exception) of requests that step() failed and aborted; drained by the caller.
         self.failed_requests: list[tuple[str, Exception]] = []
         self._counter = 0
+        self.async_decode = self._make_async_decode()
+        self._ahead: AheadStep | None = None  # a launched decode step whose tokens are not read yet
         self.log_startup()
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -265,6 +268,23 @@ class LLMEngine:
                     sc["model"], proposer.block_size, self.num_speculative_tokens,
                     proposer.drafter.cfg.target_layer_ids, proposer.tapper.mode)
         return proposer
+
+    def _make_async_decode(self) -> AsyncDecode | None:
+        """The async-scheduling launcher (``engine/async_scheduling.py``), or None. ``async_scheduling``
+        None (the default) turns it on on CUDA, as vLLM; it applies to one process without a DFlash
+        drafter (the drafter's verify steps read their results on the host first)."""
+        on = self.config.async_scheduling
+        if on is None:
+            on = self.device.type == "cuda"
+        if not on:
+            return None
+        if not self.runner.supports_async_scheduling or self.proposer is not None:
+            why = "a DFlash drafter is on" if self.proposer is not None else "tensor / decode-context parallelism"
+            (logger.warning if self.config.async_scheduling else logger.info)(
+                "async scheduling is off: not supported with %s (steps end by reading their tokens)", why)
+            return None
+        return AsyncDecode(self.runner, self.block_manager, self.max_model_len, self.config.max_num_seqs,
+                           self.device)
 
     def _setup_uniform_decode(self) -> bool:
         """On a GPU (no KDA layers): :meth:`enable_uniform_decode`, with CUDA graphs unless
@@ -380,6 +400,7 @@ class LLMEngine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "max_concurrency": round(self.num_blocks / per_req_blocks, 2),
+            "async_scheduling": getattr(self, "async_decode", None) is not None,
             **self._kv_scale_report(),
             "recurrent_state_bytes_per_request": pool.bytes_per_request if (pool := self.runner.state_pool) else 0,
             "recurrent_state_bytes": pool.total_bytes if pool else 0,
@@ -431,6 +452,9 @@ class LLMEngine:
                         r["target_kv_cache_bytes"] / 2**20, r["draft_kv_cache_bytes"] / 2**20,
                         r["decode_context_parallel_size"], r["kv_cache_tokens"])
         logger.info("maximum concurrency for %d tokens per request: %.2fx", r["max_model_len"], r["max_concurrency"])
+        if r["async_scheduling"]:
+            logger.info("async scheduling: plain greedy decode steps are launched before the previous step's "
+                        "tokens are read")
         if r["recurrent_state_bytes"]:
             logger.info("KDA recurrent state: %d bytes per request, %.1f MiB for %d slots",
                         r["recurrent_state_bytes_per_request"], r["recurrent_state_bytes"] / 2**20,
@@ -673,7 +697,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, (draft,) run the target once, sample or verify, update requests. Returns the
         requests that produced tokens or finished (cumulative text and token ids); a request whose
-        ``output_kind`` is FINAL_ONLY only when it finishes."""
+        ``output_kind`` is FINAL_ONLY only when it finishes.
+
+        Under async scheduling a plain greedy decode step launches its successor before its own tokens
+        are read (``engine/async_scheduling.py``); the next call then returns that launched step's tokens
+        without scheduling, or discards it when every request in it has finished or been aborted."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and any(self._is_live(s.seq) for s in ahead.sched.scheduled):
+            return self._finish_step(ahead.sched, ahead.result)
         sched = self.scheduler.schedule(self._lookahead if self.proposer is not None else None)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         for seq in sched.preempted:
@@ -707,19 +738,36 @@ class LLMEngine:
                                          masks if any(m is not None for m in masks) else None)
             for s, d in zip(drafting, drafts):
                 s.seq.spec_token_ids = d
-        res = self.runner.execute(sched, proposer=self.proposer)
+        return self._finish_step(sched, self.runner.execute(sched, proposer=self.proposer))
+
+    def _is_live(self, seq: Sequence) -> bool:
+        """False for a request finished or aborted after its step was launched (async scheduling: its
+        row of the step launched ahead is discarded)."""
+        return not seq.is_finished and self.requests.get(seq.request_id) is seq
+
+    def _finish_step(self, sched, res) -> list[RequestOutput]:
+        """Read step ``sched``'s tokens from its result ``res`` and update its requests (under async
+        scheduling, after launching the next step: ``AsyncDecode.launch``). Returns ``step``'s outputs."""
         if res.chain is not None:
             for s, nxt in zip(sched.scheduled, res.chain.next_drafts):
                 s.seq.chained_drafts = nxt
         # NOTE: the step's only device -> host sync on the decode path: every row's argmax at once
         # (greedy requests), instead of one read per sampled token.
-        greedy = res.chain.greedy_ids if res.chain is not None else (
-            row_argmax(res.logits).tolist()
-            if any(self._plain_greedy(s.seq) for s in sched.scheduled) and res.logits.shape[0] else None)
+        if res.chain is not None:
+            greedy = res.chain.greedy_ids
+        elif self.async_decode is not None and (rows := self.async_decode.next_rows(
+                sched, res, len(self.scheduler.waiting),
+                [i for i, s in enumerate(sched.scheduled) if self._is_live(s.seq)])):
+            greedy, self._ahead = self.async_decode.launch(sched, res, rows)
+        else:
+            greedy = row_argmax(res.logits).tolist() \
+                if any(self._plain_greedy(s.seq) for s in sched.scheduled) and res.logits.shape[0] else None
         outputs = []
         now = time.time()
         for i, s in enumerate(sched.scheduled):
             seq = s.seq
+            if not self._is_live(seq):
+                continue
             first_row, n_rows = res.spans[i]
             try:
                 tokens = self._sample_and_verify(seq, res.logits[first_row:first_row + n_rows],

@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "KV capacity x dcp)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (decode steps launch their kernels one by one)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each plain greedy decode step before the previous step's tokens are read, "
+                        "hiding the host's work per step (default: on for CUDA, off on the CPU)")
     p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1,
                    help="DCP: consecutive positions stored on one rank before moving to the next (divides block size)")
     p.add_argument("--master-port", type=int, default=None,
@@ -84,6 +87,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         skip_tokenizer_init=args.skip_tokenizer_init, tokenizer=args.tokenizer,
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size, enforce_eager=args.enforce_eager,
+        async_scheduling=getattr(args, "async_scheduling", None),
         cp_kv_cache_interleave_size=getattr(args, "cp_kv_cache_interleave_size", 1),
         master_port=getattr(args, "master_port", None),
         distributed_timeout_s=getattr(args, "distributed_timeout_s", 60.0),

@@ -167,16 +167,19 @@ class DecodeGraphRunner:
         return next(b for b in self.buckets if b >= batch)
 
     # ---- inputs -----------------------------------------------------------------------------------
-    def plan(self, scheduled, q: int) -> "UniformBatch":
-        """The step's requests as host arrays (what a TP/DCP rank 0 posts to its workers)."""
+    def plan(self, scheduled, q: int, ahead: bool = False) -> "UniformBatch":
+        """The step's requests as host arrays (what a TP/DCP rank 0 posts to its workers). ``ahead``
+        (q = 1 only): the step after the one in flight, whose results are not read yet: each request's
+        query position is one past its ``num_computed_tokens`` and its token id is not known on the host
+        (0 here; :meth:`run_ahead` copies the device's ids in)."""
         B = len(scheduled)
         n = max(len(s.seq.block_table) for s in scheduled)
         tokens = np.empty(B * q, dtype=np.int64)
         starts = np.empty(B, dtype=np.int64)
         table = np.full((B, n), -1, dtype=np.int32)
         for i, s in enumerate(scheduled):
-            seq, start, L = s.seq, s.seq.num_computed_tokens, s.num_lookahead_tokens
-            tokens[i * q] = seq.token_ids[start]
+            seq, start, L = s.seq, s.seq.num_computed_tokens + ahead, s.num_lookahead_tokens
+            tokens[i * q] = 0 if ahead else seq.token_ids[start]
             if L:
                 tokens[i * q + 1:(i + 1) * q] = seq.spec_token_ids[:L]
             starts[i] = start
@@ -324,12 +327,26 @@ class DecodeGraphRunner:
             spans.append((i * q, q if done else 0))
         return spans
 
-    def run_batch(self, batch: "UniformBatch", graph: bool, rows: int, proposer=None):
+    def run_ahead(self, scheduled, token_ids: torch.Tensor):
+        """Launch a plain decode step (q = 1, no proposer) for ``scheduled`` one position past each
+        request's ``num_computed_tokens``, its input ids ``token_ids`` [B] int64 on the device (the
+        previous step's sampled tokens, not yet read by the host: ``engine/async_scheduling.py``). The
+        caller has reserved the cache slot of that position. Returns as :meth:`run`."""
+        batch = self.plan(scheduled, 1, ahead=True)
+        graph, rows = self.mode(len(scheduled), 1)
+        logits, ctx, aux, _ = self.run_batch(batch, graph, rows, token_ids=token_ids)
+        return logits, [(i, 1) for i in range(len(scheduled))], ctx, aux, None
+
+    def run_batch(self, batch: "UniformBatch", graph: bool, rows: int, proposer=None,
+                  token_ids: torch.Tensor | None = None):
         """The forward of a planned batch (every rank of a TP/DCP engine runs it with rank 0's
-        ``mode``). Returns (logits [B*q, vocab] fp32, context, aux [B*q, H] or None, packed chain
-        result or None)."""
+        ``mode``). ``token_ids``: [B*q] int64 device tensor replacing ``batch.token_ids`` (copied on the
+        device after the host inputs). Returns (logits [B*q, vocab] fp32, context, aux [B*q, H] or
+        None, packed chain result or None)."""
         q, B = batch.q, batch.num_reqs
         seq_lens, ctx_lens = self._fill(batch, rows)
+        if token_ids is not None:
+            self.inputs.dev["input_ids"][:B * q].copy_(token_ids)
         ctx = self._context(B, q, max(seq_lens), seq_lens, ctx_lens)
         if graph:
             g, logits, aux, packed = self.graphs[(q, rows)]

@@ -36,6 +36,9 @@ class StepResult:
 class ModelRunner:
     """Owns the model and its paged KV cache.
 
+    ``supports_async_scheduling``: :meth:`execute_ahead` may launch a step before the previous one's
+    tokens are read (one process; the TP/DCP runners post every step to their workers instead).
+
     Args:
         model: a loaded CausalLM.
         num_blocks / block_size: cache geometry (tokens per block).
@@ -46,6 +49,8 @@ class ModelRunner:
         max_num_seqs: requests that may hold linear-attention (KDA) state at once; the model's
             ``state_pool`` (None without KDA layers) gets one more slot for ``LLMEngine.score``.
     """
+
+    supports_async_scheduling = True
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
                  device: torch.device, calculate_kv_scales: bool = False,
@@ -71,7 +76,6 @@ class ModelRunner:
         self.decode_runner = None  # uniform decode/verify steps on persistent inputs (CUDA graphs)
         self.parallel = single_process_state()  # what this runner's forward contexts name (DCP: its groups)
         self._draft_rows: list[tuple[int, int]] = []  # draft-context rows awaiting flush_draft_context
-
     def enable_uniform_decode(self, max_model_len: int, max_num_seqs: int, query_lens: list[int],
                               capturer=None) -> None:
         """Run uniform decode/verify steps (``cuda_graph.uniform_query_len``) on persistent inputs,
@@ -190,6 +194,13 @@ class ModelRunner:
         if idx:
             i = to_device_async(idx, torch.int64, res.aux.device)
             proposer.write_context(res.aux[i], res.ctx.positions[i], res.ctx.slot_mapping[i])
+
+    @torch.inference_mode()
+    def execute_ahead(self, sched: SchedulerOutput, token_ids: torch.Tensor) -> StepResult:
+        """Launch the plain decode step after the one in flight (``DecodeGraphRunner.run_ahead``: each
+        request one position past its ``num_computed_tokens``, input ids ``token_ids`` [B] int64 on the
+        device). Needs uniform decode enabled; the caller reserved the cache slots."""
+        return StepResult(*self.decode_runner.run_ahead(sched.scheduled, token_ids))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, all_logits: bool = False, tapper=None, proposer=None) -> StepResult:

@@ -40,8 +40,7 @@ def test_relabellings_are_permutations():
 
 
 COMPILE_VARIANTS = {"default": dict(), "unsplit fp16 DCP": dict(split=False, q_dtype="fp16", has_vis=True),
-                    "s3 block 64": dict(stages=3, block_size=64), "block 1": dict(block_size=1),
-                    "deferred last value product": dict(defer=True)}
+                    "s3 block 64": dict(stages=3, block_size=64), "block 1": dict(block_size=1)}
 
 
 def _compile_sm90() -> dict:

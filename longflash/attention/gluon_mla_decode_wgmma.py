@@ -176,7 +176,7 @@ def _store_quarter(o, inv, base_ptr, row_stride, ok, J: gl.constexpr, OUT: gl.co
 def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
                                 H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits, qk_scale,
                                 out_scale, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, HAS_VIS: gl.constexpr,
-                                SPLIT: gl.constexpr, DEFER: gl.constexpr = False):
+                                SPLIT: gl.constexpr):
     """Stage 1 over an fp8 (uint8-viewed) cache ``[num_blocks, BLOCK_SIZE, 576]``, arguments and outputs as
     :func:`gluon_mla_decode.mla_decode_fp8_stage1` (grid (head-group, kv-split, request), 4 warps, 64
     cache rows per step, ``STAGES`` cp.async buffers)."""
@@ -262,10 +262,6 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
     o2 = gl.zeros([128, 16], gl.float32, layout=MMA)
     o3 = gl.zeros([128, 16], gl.float32, layout=MMA)
     pt = pt_smem.permute((1, 0))  # P^T [64 positions, 16]: the value product's B operand
-    if DEFER:  # the last value quarter's A operand, its product issued in the next iteration (0 · 0 first)
-        v3 = gl.zeros([128, BLOCK_N], gl.float16, layout=OPA)
-        pt_smem.store(gl.zeros([16, BLOCK_N], gl.float16, layout=QL))
-        fence_async_shared()
     for i in range(0, num_tiles):
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()  # tile i visible to all warps; every warp is done with iteration i - 1
@@ -282,12 +278,8 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
         # deps), so the operands of at most two quarters are live at once
         s = gl.zeros([BLOCK_N, 16], gl.float32, layout=MMA)
         a0, a1 = _score_operands(kn_smem.index(cur), SL, OPA)
-        if DEFER:  # the previous tile's last value product, beside this tile's first loads and conversions
-            o3 = warpgroup_mma(v3, pt, o3, is_async=True)
         s = warpgroup_mma(a0, q_smem.index(0).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(a1, q_smem.index(1).permute((1, 0)), s, is_async=True)
-        if DEFER:
-            o3, v3 = warpgroup_mma_wait(2, deps=[o3, v3])
         for qq in gl.static_range(1, 4):
             b0, b1 = _score_operands(kn_smem.index(cur + qq), SL, OPA)
             s = warpgroup_mma(b0, q_smem.index(2 * qq).permute((1, 0)), s, is_async=True)
@@ -328,13 +320,8 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
         o2 = warpgroup_mma(v2, pt, o2, is_async=True)
         o1, v1 = warpgroup_mma_wait(1, deps=[o1, v1])
         v3 = _value_operand(_value_view(kn_smem.index(cur + 3)).load(VL), OPA)
-        if DEFER:
-            o2, v2 = warpgroup_mma_wait(0, deps=[o2, v2])
-        else:
-            o3 = warpgroup_mma(v3, pt, o3, is_async=True)
-            o2, o3, v2, v3 = warpgroup_mma_wait(0, deps=[o2, o3, v2, v3])
-    if DEFER:
-        o3 = warpgroup_mma(v3, pt, o3)
+        o3 = warpgroup_mma(v3, pt, o3, is_async=True)
+        o2, o3, v2, v3 = warpgroup_mma_wait(0, deps=[o2, o3, v2, v3])
     async_copy.wait_group(0)
 
     l_i = gl.sum(l_acc, axis=0)
@@ -364,7 +351,7 @@ def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vi
 
 
 def compile_stage1(target=None, *, stages: int = 2, split: bool = True, has_vis: bool = False, q_dtype: str = "bf16",
-                   block_size: int = 16, defer: bool = False):
+                   block_size: int = 16):
     """Ahead-of-time compile of :func:`mla_decode_fp8_wgmma_stage1` for ``target`` (default
     ``GPUTarget("cuda", 90, 32)``: wgmma is sm_90 only), pointer and stride arguments marked 16-divisible as
     the JIT marks real tensors; no GPU needed (Triton's bundled ptxas). Returns Triton's compiled kernel.
@@ -385,7 +372,7 @@ def compile_stage1(target=None, *, stages: int = 2, split: bool = True, has_vis:
            "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{q_dtype}", "lse_ptr": "*fp32", "H": "i32",
            "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
            "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32"}
-    const = dict(BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split, DEFER=defer)
+    const = dict(BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split)
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr",

@@ -51,7 +51,7 @@ MIN_SPLIT_ROWS = 64
 NARROW_WIDTH = 128  # cache rows of at most this many elements take the long narrow tiles (default_config)
 # the keys a tile config may set (default_config documents them)
 CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "V_RELOAD", "TRANS", "F16", "PREFETCH",
-                         "CVT_SMEM", "maxnreg", "occupancy", "GLUON", "WGMMA", "DEFER"})
+                         "CVT_SMEM", "maxnreg", "occupancy", "GLUON", "WGMMA"})
 MAX_SPLITS = 256
 # Rates of the split-count model (choose_num_splits): H200 copy bandwidth, and a bf16 tensor-core rate
 # this kernel may reach (about half the measured GEMM rate).
@@ -697,8 +697,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if use_gluon and cfg.get("WGMMA", False):
         from longflash.attention.gluon_mla_decode_wgmma import mla_decode_fp8_wgmma_stage1
         stage1 = mla_decode_fp8_wgmma_stage1
-        common = dict(BLOCK_SIZE=block_size, STAGES=cfg["num_stages"], HAS_VIS=visible_lens is not None,
-                      DEFER=bool(cfg.get("DEFER", False)), num_warps=4)
+        common = dict(BLOCK_SIZE=block_size, STAGES=cfg["num_stages"], HAS_VIS=visible_lens is not None, num_warps=4)
     elif use_gluon:
         from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
         stage1 = mla_decode_fp8_stage1

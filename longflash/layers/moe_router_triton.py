@@ -10,8 +10,7 @@ One program per token holds the token's E router logits (padded to a power of tw
    PyTorch's; the choice score adds ``e_score_correction_bias`` (bitwise).
 2. groups (n_group > 1): a group's score is its best plus its second-best choice score; the best topk_group
    groups stay (equal group scores: the lowest group ids), the others' choice scores become -inf.
-3. top-k: the k largest keys ``(ordered bits of the choice score, -expert id)`` (``_top_keys``: ranks by an
-   all-pairs comparison up to ``RANK_MAX`` experts, else k rounds each removing the largest key). The
+3. top-k: k rounds, each removing the largest key ``(ordered bits of the choice score, -expert id)``. The
    ordered bits are PyTorch's radix-select keys (``TopKTypeConfig<float>``: sign flip, NaN largest, -0.0
    below +0.0), so the chosen set is every expert above the k-th choice score and, among experts equal
    to it, the lowest ids.
@@ -64,27 +63,6 @@ def _unordered(o):
     return b.to(tl.float32, bitcast=True)
 
 
-RANK_MAX = tl.constexpr(128)  # _top_keys ranks keys by an all-pairs comparison up to this many (a [n, n] tile), else k rounds
-
-
-@triton.jit
-def _top_keys(key, K: tl.constexpr):
-    """Which of the keys ``key`` [n] int64 (distinct where >= 0; -1 = padding, never chosen) are the K largest.
-    Up to ``RANK_MAX`` keys: a key is chosen when fewer than K keys exceed it (one [n, n] comparison and a sum,
-    independent operations); beyond: K rounds of "remove the largest" (a chain of K dependent max reductions,
-    ~2,200 instructions for top-6 of 64 in one warp). The same set either way (the keys are distinct)."""
-    n: tl.constexpr = key.shape[0]
-    if n <= RANK_MAX:
-        larger = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
-        sel = (larger < K) & (key >= 0)
-    else:
-        rest = key
-        for _ in tl.static_range(K):
-            rest = tl.where(rest == tl.max(rest, 0), -1, rest)
-        sel = rest != key
-    return sel
-
-
 @triton.jit
 def route_scores(x, bias_ptr, scale, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NG_P: tl.constexpr,
                  GS_P: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -118,14 +96,21 @@ def route_scores(x, bias_ptr, scale, N_GROUP: tl.constexpr, GROUP_SIZE: tl.const
             gscore = gscore + _unordered(k2 >> IDX_BITS)
         gi = tl.arange(0, NG_P)
         gkey = tl.where(gi < N_GROUP, (_ordered(gscore) << IDX_BITS) | ((1 << IDX_BITS) - 1 - gi), -1)
-        keep = _top_keys(gkey, TOPK_GROUP)
+        keep = gi < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            m = tl.max(gkey, 0)
+            keep = keep | (gkey == m)
+            gkey = tl.where(gkey == m, -1, gkey)
         neg_inf = tl.full(x.shape, float("-inf"), tl.float32)
         key = tl.where(valid, (_ordered(tl.where(keep[:, None], choice, neg_inf)) << IDX_BITS) | low, -1)
-    # top-k: the k largest keys, i.e. largest ordered score, then lowest id
+    # top-k: k rounds of "largest key", i.e. largest ordered score, then lowest id
     key = tl.reshape(key, (NG_P * GS_P,))
     sc = tl.reshape(scores, (NG_P * GS_P,))
     ids = tl.reshape(e, (NG_P * GS_P,))
-    sel = _top_keys(key, TOP_K)
+    rest = key
+    for _ in tl.static_range(TOP_K):
+        rest = tl.where(rest == tl.max(rest, 0), -1, rest)
+    sel = rest != key
     w = tl.where(sel, sc, 0.0)
     if RENORM:
         w = tl.math.div_rn(w, tl.full(w.shape, 1.0, tl.float32) * (tl.sum(w, 0) + 1e-20))

@@ -349,16 +349,20 @@ def graph_replay_ms(dr, batch: int, replays: int = 50) -> float | None:
 
 def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev: torch.device, peak_gbs: float,
                max_model_len: int, enforce_eager: bool, hf_tokens: dict[int, list[list[int]]],
-               profile_deadline: float, op_shapes: bool = False, engine_kw: dict | None = None) -> dict:
+               profile_deadline: float, op_shapes: bool = False, engine_kw: dict | None = None,
+               label: str | None = None) -> dict:
     """longflash on the checkpoint at ``path``: per batch a warm-up run of the same shape (4 tokens),
     the timed ``run_offline`` and its roofline, greedy tokens vs HF's (``hf_tokens``: batch -> rows),
     and on a GPU a kernel profile while ``elapsed() < profile_deadline``. ``engine_kw`` overrides
-    ``EngineConfig`` fields (e.g. ``kv_cache_dtype``, ``max_num_batched_tokens``; ``benchmarks/long_decode.py``)."""
+    ``EngineConfig`` fields (e.g. ``kv_cache_dtype``, ``max_num_batched_tokens``; ``benchmarks/long_decode.py``);
+    ``label`` names the run in the log (a baseline's key)."""
     from longflash.bench import run_offline
     from longflash.bench_roofline import StepBytes
     from longflash.config import EngineConfig
     from longflash.engine.llm_engine import LLMEngine
     name = "eager" if enforce_eager else ("graphs" if dev.type == "cuda" else "default")
+    if label:  # a baseline's run: its row name in the log too
+        name = f"{name} ({label})"
     t0 = time.perf_counter()
     kw = dict(model=path, dtype="bfloat16" if dev.type == "cuda" else "float32", device=dev.type,
               max_model_len=max_model_len, max_num_seqs=max(prompts),
@@ -486,7 +490,9 @@ def main() -> int:
                          "'cublas' = every few-row GEMM on cuBLAS (longflash.layers.gemv.enabled = False), "
                          "'no-pdl' = no programmatic dependent launch (longflash.ops.triton_env.PDL = False), "
                          "'moe-launches' = one-token MoE sub-layers as separate launches instead of the one-token "
-                         "kernel (longflash.layers.moe.ONE_TOKEN_KERNEL = False; CUDA only, on the CPU the same path)")
+                         "kernel (longflash.layers.moe.ONE_TOKEN_KERNEL = False; CUDA only, on the CPU the same path), "
+                         "'sync-scheduling' = --no-async-scheduling (each step ends by reading its tokens; on the CPU "
+                         "async scheduling is off anyway, so the same configuration)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="longflash's max_model_len, at most the config's 4096 positions (512 with --tiny; "
                          "default: input + output + 8 rounded up to 64, i.e. 256): under a CUDA graph the "
@@ -558,7 +564,7 @@ def main() -> int:
             try:
                 res[key] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False, hf_tokens,
                                       profile_deadline=0.0 if args.no_profile else 0.7 * args.budget_s,
-                                      engine_kw=engine_kw)
+                                      engine_kw=engine_kw, label=None if key == "longflash" else key)
             finally:
                 if mod is not None:
                     setattr(mod, switch[1], True)

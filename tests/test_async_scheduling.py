@@ -123,10 +123,14 @@ def test_config_and_flags():
     assert engine_config_from_args(p.parse_args([])).async_scheduling is None
     assert engine_config_from_args(p.parse_args(["--no-async-scheduling"])).async_scheduling is False
     assert engine_config_from_args(p.parse_args(["--async-scheduling"])).async_scheduling is True
-    # the default: off on the CPU; on with it asked for, but never with a DFlash drafter
+    # the default: off on the CPU; on with it asked for, but never with a DFlash drafter, and in effect only
+    # on the uniform decode path (the GPU's; tests turn it on on the CPU)
     assert LLM(**dict(KW)).engine.async_decode is None
     assert LLM(**dict(KW, speculative_config=None), async_scheduling=True).engine.async_decode is None
-    assert LLM(**KW, async_scheduling=True).engine.startup_report()["async_scheduling"] is True
+    engine = LLM(**KW, async_scheduling=True).engine
+    assert engine.async_decode is not None and engine.startup_report()["async_scheduling"] is False
+    engine.enable_uniform_decode(cuda_graphs=False)
+    assert engine.startup_report()["async_scheduling"] is True
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

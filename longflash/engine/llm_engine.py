@@ -272,17 +272,22 @@ class LLMEngine:
     def _make_async_decode(self) -> AsyncDecode | None:
         """The async-scheduling launcher (``engine/async_scheduling.py``), or None. ``async_scheduling``
         None (the default) turns it on on CUDA, as vLLM; it applies to one process without a DFlash
-        drafter (the drafter's verify steps read their results on the host first)."""
+        drafter (the drafter's verify steps read their results on the host first), and only to steps on
+        the uniform decode path (the GPU's; on the CPU tests turn it on with :meth:`enable_uniform_decode`)."""
         on = self.config.async_scheduling
         if on is None:
             on = self.device.type == "cuda"
         if not on:
             return None
-        if not self.runner.supports_async_scheduling or self.proposer is not None:
-            why = "a DFlash drafter is on" if self.proposer is not None else "tensor / decode-context parallelism"
+        why = ("a DFlash drafter" if self.proposer is not None else
+               None if self.runner.supports_async_scheduling else "tensor / decode-context parallelism")
+        if why is not None:
             (logger.warning if self.config.async_scheduling else logger.info)(
-                "async scheduling is off: not supported with %s (steps end by reading their tokens)", why)
+                "async scheduling is off: not supported with %s (each step ends by reading its tokens)", why)
             return None
+        if self.runner.decode_runner is None:
+            logger.warning("async scheduling has no effect here: it applies to decode steps on the uniform "
+                           "(persistent-input) path, which runs on CUDA only")
         return AsyncDecode(self.runner, self.block_manager, self.max_model_len, self.config.max_num_seqs,
                            self.device)
 
@@ -400,7 +405,9 @@ class LLMEngine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "max_concurrency": round(self.num_blocks / per_req_blocks, 2),
-            "async_scheduling": getattr(self, "async_decode", None) is not None,
+            # in effect: launched ahead where a step allows it (CUDA, one process, no drafter)
+            "async_scheduling": getattr(self, "async_decode", None) is not None and
+            self.runner.decode_runner is not None,
             **self._kv_scale_report(),
             "recurrent_state_bytes_per_request": pool.bytes_per_request if (pool := self.runner.state_pool) else 0,
             "recurrent_state_bytes": pool.total_bytes if pool else 0,

@@ -76,6 +76,7 @@ class ModelRunner:
         self.decode_runner = None  # uniform decode/verify steps on persistent inputs (CUDA graphs)
         self.parallel = single_process_state()  # what this runner's forward contexts name (DCP: its groups)
         self._draft_rows: list[tuple[int, int]] = []  # draft-context rows awaiting flush_draft_context
+
     def enable_uniform_decode(self, max_model_len: int, max_num_seqs: int, query_lens: list[int],
                               capturer=None) -> None:
         """Run uniform decode/verify steps (``cuda_graph.uniform_query_len``) on persistent inputs,

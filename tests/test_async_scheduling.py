@@ -115,6 +115,19 @@ def test_preemption_prefix_caching_and_max_model_len(kw):
         assert all(r[2] == "length" for r in out.values())
 
 
+def test_recompute_after_preemption_one_token_per_step():
+    """A preempted request recomputes its generated tokens one per step (budget 2, two requests): those steps
+    look uniform (one token past the prompt) but sample nothing; none may launch a step ahead with its argmax
+    as the next input (found by a review: the outputs were corrupted)."""
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=2, num_gpu_blocks=8, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reqs = [(f"r{i}", [5 + i, 6, 7], params) for i in range(2)]
+    engine = _engine(True, **kw)
+    out = _run(engine, reqs)
+    assert out == _run(_engine(False, **kw), reqs)
+    assert engine.scheduler.num_preemptions > 0 and engine.async_decode.num_launched > 0
+
+
 def test_config_and_flags():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model=default_model_path(), async_scheduling="yes")

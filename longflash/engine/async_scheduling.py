@@ -24,7 +24,8 @@ overwrites before the host reads N's tokens, and a plain greedy token is the row
 device before N+1 is launched. So a step ends synchronously (as before) when any request samples,
 asks for logprobs, has penalties, a logit bias, allowed token ids or an active min_tokens (at N or
 N+1), when a DFlash drafter is on, when a request is waiting (its prefill is admitted at the next step
-without delay), or when the KV pool cannot reserve the slots. A request whose token of step N is its
+without delay), when a request recomputes its tokens after a preemption (a one-token step that samples
+nothing looks like a decode step), or when the KV pool cannot reserve the slots. A request whose token of step N is its
 last by length (``max_tokens``, ``max_model_len``) is left out of step N+1.
 """
 
@@ -82,6 +83,10 @@ class AsyncDecode:
         bm, need, rows = self.block_manager, 0, []
         for i in live:
             seq = sched.scheduled[i].seq
+            if seq.num_computed_tokens + 1 != len(seq.token_ids):
+                # NOTE: a one-token step of a preempted request's recompute (past its prompt, not at its last
+                # token) samples nothing: its next input is a known token, not this step's argmax
+                return []
             p, k = seq.sampling_params, seq.num_output_tokens
             if not p.greedy or seq.output_logprobs is not None or needs_logits_processing(p, k):
                 return []  # NOTE: sched's own logits are overwritten by the launched step before they are read

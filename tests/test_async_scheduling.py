@@ -128,6 +128,39 @@ def test_recompute_after_preemption_one_token_per_step():
     assert engine.scheduler.num_preemptions > 0 and engine.async_decode.num_launched > 0
 
 
+def test_base_exception_while_processing_a_step_does_not_skip_tokens():
+    """A BaseException (KeyboardInterrupt) escaping step() while it reads step N's tokens, after N+1 was
+    launched: a caller that catches it and keeps stepping must get the sync engine's tokens (the requests
+    not yet processed recompute N). Async took N+1's row as N's token for them: one token dropped."""
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    reqs = [("a", "def fibonacci(n):", params), ("b", "import os\nimport sys\n", params),
+            ("c", "To be, or not to be,", params)]
+    outs = {}
+    for a in (False, True):
+        e = _engine(a, max_num_seqs=8, max_num_batched_tokens=64)
+        detok, calls = e.stop_checker.detokenize, [0]
+
+        def det(seq, detok=detok, calls=calls):
+            if seq.request_id == "b":
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise KeyboardInterrupt
+            return detok(seq)
+
+        e.stop_checker.detokenize = det
+        for rid, p, sp in reqs:
+            e.add_request(rid, p, sp)
+        final = {}
+        while e.has_unfinished_requests():
+            try:
+                outputs = e.step()
+            except KeyboardInterrupt:
+                continue
+            final.update({o.request_id: list(o.outputs[0].token_ids) for o in outputs})
+        outs[a] = final
+    assert outs[True] == outs[False]
+
+
 def test_config_and_flags():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model=default_model_path(), async_scheduling="yes")

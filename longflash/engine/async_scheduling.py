@@ -12,8 +12,12 @@ decode step N (one token per request, no drafts), step N+1 is launched *before* 
 3. the host waits for the event only (it precedes N+1 on the stream) and processes N's tokens while
    N+1 runs. The next ``LLMEngine.step`` call processes N+1 the same way, launching N+2 first.
 
-Step N+1 is exactly the step the scheduler would plan after N for every request that N does not finish:
-one token each, at the same positions and cache slots, with N's greedy token as input. A request that N
+Step N+1 is the step the scheduler would plan after N for every request that N does not finish: one
+token each, at the same positions, with N's greedy token as input. The schedule itself can differ from
+the synchronous engine's by a step: a request arriving while N+1 is in flight is admitted one step later,
+and the slot reserved for a request that N then finishes by EOS or a stop may have evicted a prefix-cached
+block the synchronous engine keeps (outputs are the same; ``num_cached_tokens`` of a later request may
+differ). If processing N raises (e.g. Ctrl-C), N+1 is dropped (``LLMEngine._finish_step``). A request that N
 finishes (EOS, stop, length) or that is aborted meanwhile has its row of N+1 discarded
 (``LLMEngine._is_live``); that row's KV went to a position past its committed tokens, in a block no
 prefix-cache hash covers, and blocks freed meanwhile are reused only by work queued after N+1 on the
@@ -24,7 +28,7 @@ overwrites before the host reads N's tokens, and a plain greedy token is the row
 device before N+1 is launched. So a step ends synchronously (as before) when any request samples,
 asks for logprobs, has penalties, a logit bias, allowed token ids or an active min_tokens (at N or
 N+1), when a DFlash drafter is on, when a request is waiting (its prefill is admitted at the next step
-without delay), when a request recomputes its tokens after a preemption (a one-token step that samples
+without delay; while requests wait, even for a free batch slot, steps end synchronously), when a request recomputes its tokens after a preemption (a one-token step that samples
 nothing looks like a decode step), or when the KV pool cannot reserve the slots. A request whose token of step N is its
 last by length (``max_tokens``, ``max_model_len``) is left out of step N+1.
 """

@@ -754,7 +754,7 @@ class LLMEngine:
 
     def _finish_step(self, sched, res) -> list[RequestOutput]:
         """Read step ``sched``'s tokens from its result ``res`` and update its requests (under async
-        scheduling, after launching the next step: ``AsyncDecode.launch``). Returns ``step``'s outputs."""
+        scheduling, after launching the next step: ``AsyncDecode.launch``). Returns the outputs of ``sched``'s requests (as :meth:`step`)."""
         if res.chain is not None:
             for s, nxt in zip(sched.scheduled, res.chain.next_drafts):
                 s.seq.chained_drafts = nxt
@@ -762,13 +762,26 @@ class LLMEngine:
         # (greedy requests), instead of one read per sampled token.
         if res.chain is not None:
             greedy = res.chain.greedy_ids
-        elif self.async_decode is not None and (rows := self.async_decode.next_rows(
-                sched, res, len(self.scheduler.waiting),
-                [i for i, s in enumerate(sched.scheduled) if self._is_live(s.seq)])):
-            greedy, self._ahead = self.async_decode.launch(sched, res, rows)
         else:
-            greedy = row_argmax(res.logits).tolist() \
-                if any(self._plain_greedy(s.seq) for s in sched.scheduled) and res.logits.shape[0] else None
+            live = [i for i, s in enumerate(sched.scheduled) if self._is_live(s.seq)]
+            ahead_rows = self.async_decode.next_rows(sched, res, len(self.scheduler.waiting), live) \
+                if self.async_decode is not None else []
+            if ahead_rows:
+                greedy, self._ahead = self.async_decode.launch(sched, res, ahead_rows)
+            else:
+                greedy = row_argmax(res.logits).tolist() \
+                    if any(self._plain_greedy(s.seq) for s in sched.scheduled) and res.logits.shape[0] else None
+        try:
+            return self._read_step(sched, res, greedy)
+        except BaseException:
+            # NOTE: some requests' tokens of this step were not read (e.g. Ctrl-C), but the step launched ahead
+            # assumes they were: drop it; those requests recompute this step's position at the next step.
+            self._ahead = None
+            raise
+
+    def _read_step(self, sched, res, greedy: list[int] | None) -> list[RequestOutput]:
+        """Append step ``sched``'s tokens (``greedy``: every row's argmax, or None) to its requests, check stops,
+        commit KV and prefix-cache blocks. Returns the outputs of ``sched``'s requests (as :meth:`step`)."""
         outputs = []
         now = time.time()
         for i, s in enumerate(sched.scheduled):

@@ -171,9 +171,10 @@ def test_config_and_flags():
     assert engine_config_from_args(p.parse_args(["--async-scheduling"])).async_scheduling is True
     # the default: off on the CPU; on with it asked for, but never with a DFlash drafter, and in effect only
     # on the uniform decode path (the GPU's; tests turn it on on the CPU)
-    assert LLM(**dict(KW)).engine.async_decode is None
-    assert LLM(**dict(KW, speculative_config=None), async_scheduling=True).engine.async_decode is None
-    engine = LLM(**KW, async_scheduling=True).engine
+    cpu = dict(KW, device="cpu")  # (the default device is CUDA where there is one)
+    assert LLM(**cpu).engine.async_decode is None
+    assert LLM(**dict(cpu, speculative_config=None), async_scheduling=True).engine.async_decode is None
+    engine = LLM(**cpu, async_scheduling=True).engine
     assert engine.async_decode is not None and engine.startup_report()["async_scheduling"] is False
     engine.enable_uniform_decode(cuda_graphs=False)
     assert engine.startup_report()["async_scheduling"] is True

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from longflash.config import EngineConfig, resolve_dtype
-from longflash.engine.async_scheduling import AheadStep, AsyncDecode
 from longflash.distributed import comm, placement
+from longflash.engine.async_scheduling import AheadStep, AsyncDecode
 from longflash.engine.block_manager import BlockManager
 from longflash.engine.scheduler import Scheduler
 from longflash.engine.sequence import Sequence
@@ -754,7 +754,8 @@ class LLMEngine:
 
     def _finish_step(self, sched, res) -> list[RequestOutput]:
         """Read step ``sched``'s tokens from its result ``res`` and update its requests (under async
-        scheduling, after launching the next step: ``AsyncDecode.launch``). Returns the outputs of ``sched``'s requests (as :meth:`step`)."""
+        scheduling, after launching the next step: ``AsyncDecode.launch``). Returns the outputs of
+        ``sched``'s requests (as :meth:`step`)."""
         if res.chain is not None:
             for s, nxt in zip(sched.scheduled, res.chain.next_drafts):
                 s.seq.chained_drafts = nxt
@@ -762,10 +763,10 @@ class LLMEngine:
         # (greedy requests), instead of one read per sampled token.
         if res.chain is not None:
             greedy = res.chain.greedy_ids
-        else:
-            live = [i for i, s in enumerate(sched.scheduled) if self._is_live(s.seq)]
-            ahead_rows = self.async_decode.next_rows(sched, res, len(self.scheduler.waiting), live) \
-                if self.async_decode is not None else []
+        else:  # (the live rows are listed only under async scheduling: no per-step work otherwise)
+            ahead_rows = self.async_decode.next_rows(
+                sched, res, len(self.scheduler.waiting),
+                [i for i, s in enumerate(sched.scheduled) if self._is_live(s.seq)]) if self.async_decode else []
             if ahead_rows:
                 greedy, self._ahead = self.async_decode.launch(sched, res, ahead_rows)
             else:

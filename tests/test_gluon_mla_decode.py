@@ -107,7 +107,7 @@ def test_resolve_config(monkeypatch):
     assert tk.resolve_config(q, cache, 512, 1, {"BLOCK_N": 32})[0]["WGMMA"] is False
     assert tk.resolve_config(q, cache, 512, 1, {"num_warps": 8, "maxnreg": 128})[0]["WGMMA"] is False
     monkeypatch.setattr(tk, "_wgmma_runs_on", lambda idx: False)
-    assert tk.resolve_config(q, cache, 512, 1) == (dict(tk.GLUON_FP8_CONFIG, WGMMA=False, STREAM_K=False), True)
+    assert tk.resolve_config(q, cache, 512, 1) == (dict(tk.GLUON_FP8_CONFIG, WGMMA=False), True)
     # occupancy from the buffered rows (num_stages x BLOCK_N), unless the caller sets it
     assert tk.resolve_config(q, cache, 512, 1, {"num_stages": 3, "WGMMA": False})[0]["occupancy"] == 1
     assert tk.resolve_config(q, cache, 512, 1, {"BLOCK_N": 32, "num_stages": 4})[0]["occupancy"] == 2

@@ -40,9 +40,7 @@ def test_relabellings_are_permutations():
 
 
 COMPILE_VARIANTS = {"default": dict(), "unsplit fp16 DCP": dict(split=False, q_dtype="fp16", has_vis=True),
-                    "s3 block 64": dict(stages=3, block_size=64), "block 1": dict(block_size=1),
-                    "stream-K": dict(stream_k=True), "stream-K fp16 DCP block 64": dict(stream_k=True, q_dtype="fp16",
-                                                                                        has_vis=True, block_size=64)}
+                    "s3 block 64": dict(stages=3, block_size=64), "block 1": dict(block_size=1)}
 
 
 def _compile_sm90() -> dict:
@@ -72,7 +70,7 @@ def test_compiles_for_sm90():
     bad = {k: v for k, v in res.items() if not (v.get("ok") and v["wgmma"] and v["cp_async"] and v["prmt_asm"]
                                                and not v["byte_loads"] and not v["local"])}
     assert not bad, bad
-    assert res["default"]["smem"] <= 113 * 1024 and res["stream-K"]["smem"] <= 113 * 1024
+    assert res["default"]["smem"] <= 113 * 1024
 
 
 def test_compile_stage1_refuses_what_the_kernel_cannot_take():
@@ -80,8 +78,7 @@ def test_compile_stage1_refuses_what_the_kernel_cannot_take():
     from triton.backends.compiler import GPUTarget
     from longflash.attention.gluon_mla_decode_wgmma import compile_stage1
     for kw, msg in ((dict(q_dtype="fp32"), "q_dtype"), (dict(stages=1), "stages"), (dict(block_size=0), "block_size"),
-                    (dict(stages=2.5), "stages"), (dict(split="no"), "split"), (dict(target=GPUTarget("cuda", 89, 32)), "9.0"),
-                    (dict(stream_k=True, split=False), "needs split"), (dict(stream_k=True, block_u=48), "block_u")):
+                    (dict(stages=2.5), "stages"), (dict(split="no"), "split"), (dict(target=GPUTarget("cuda", 89, 32)), "9.0")):
         with pytest.raises(ValueError, match=msg):
             compile_stage1(**kw)
 
@@ -98,7 +95,7 @@ def test_resolve_config(monkeypatch):
     for sm90 in (True, False):
         monkeypatch.setattr(tk, "_wgmma_runs_on", lambda idx, v=sm90: v)
         cfg, use = tk.resolve_config(q, cache, 512, 1, {"WGMMA": True})
-        assert use and cfg == dict(tk.GLUON_FP8_CONFIG, WGMMA=sm90, STREAM_K=sm90)  # stream-K: wgmma only
+        assert use and cfg == dict(tk.GLUON_FP8_CONFIG, WGMMA=sm90)
     for bad, key in (({"WGMMA": True, "BLOCK_N": 32}, "BLOCK_N 32"), ({"WGMMA": True, "num_warps": 8}, "num_warps 8"),
                      ({"WGMMA": True, "maxnreg": 168}, "maxnreg 168")):
         with pytest.raises(ValueError, match=rf"wgmma decode tile \(WGMMA=True was asked\): {key}"):
@@ -109,9 +106,7 @@ def test_resolve_config(monkeypatch):
     assert tk.resolve_config(q, cache, 512, 1, {"WGMMA": True, "num_stages": 3})[0]["occupancy"] == 1  # 131 KB
     monkeypatch.setattr(tk, "gluon_eligible", lambda *a: False)  # where Gluon cannot run the key is dropped
     cfg, use = tk.resolve_config(q, cache, 512, 1, {"WGMMA": True})
-    assert not use and "WGMMA" not in cfg and "STREAM_K" not in cfg
-    with pytest.raises(ValueError, match="STREAM_K must be True or False"):
-        tk.resolve_config(q, cache, 512, 1, {"STREAM_K": 1})
+    assert not use and "WGMMA" not in cfg
     cands = tk.candidate_configs(16, FP8_DTYPE)
     assert cands[0].get("WGMMA") and sum(bool(c.get("WGMMA")) for c in cands) == 1  # the default, once
     assert any(c.get("GLUON") and c.get("WGMMA") is False for c in cands)  # the mma.sync kernel, measured against it
@@ -133,58 +128,6 @@ def test_gpu_matches_reference(H, seq, ql, bs, qdt):
     o2, _ = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05,
                                     config=dict(cfg, WGMMA=False))  # the mma.sync kernel
     assert ((out.float() - o2.float()).norm() / o2.float().norm()).item() <= 2e-3
-
-
-@cuda90
-@pytest.mark.parametrize("H,seq,ql,bs,qdt", REFERENCE_CASES)
-def test_gpu_stream_k_matches_reference(H, seq, ql, bs, qdt, monkeypatch):
-    """The stream-K split (forced: ``choose_stream_k`` picks it only for long calls) equals the reference and
-    the per-request split of the same kernel; runs cross requests and head-groups (264 programs over a few
-    hundred to a few thousand tiles)."""
-    from longflash.attention import ops
-    from longflash.attention import triton_mla_decode as tk
-    q, cache, bt, qsl = _gpu_case(H, seq, ql, 0.05, bs, qdt=qdt)
-    q[0, 0] *= 1e4
-    ro, rl = ops.mla_decode_attention(q.float(), cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05)
-    o_split, _ = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05, num_splits=7)
-    monkeypatch.setattr(tk, "choose_stream_k", lambda *a: True)
-    out, lse = tk.mla_decode_attention(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 0.05)
-    _check(out, lse, ro, rl)
-    assert ((out.float() - o_split.float()).norm() / o_split.float().norm()).item() <= 2e-3
-
-
-@cuda90
-def test_gpu_stream_k_graph_follows_new_lengths(monkeypatch):
-    """Captured in a CUDA graph at one set of lengths and replayed at others (device tensors changed in
-    place): the schedule is derived on the device, so each replay equals the reference at its lengths; and
-    DCP-local visible lengths through the stream-K path."""
-    from longflash.attention import ops
-    from longflash.attention import triton_mla_decode as tk
-    from longflash.distributed import dcp
-    monkeypatch.setattr(tk, "choose_stream_k", lambda *a: True)
-    cap = [9000, 40000, 17, 3000]
-    q, cache, bt, qsl = _gpu_case(16, cap, [1] * 4, 0.05)
-    qsl_t = torch.tensor(qsl, dtype=torch.int32, device="cuda")
-    seq_t = torch.tensor(cap, dtype=torch.int32, device="cuda")
-    run = lambda: tk.mla_decode_attention(q, cache, bt, qsl_t, seq_t, 576 ** -0.5, 512, 0.05, max_query_len=1,
-                                          max_seq_len=max(cap))
-    run()  # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out, lse = run()
-    for lens in ([9000, 40000, 17, 3000], [1, 39999, 0, 64], [8999, 65, 16, 2999]):
-        seq_t.copy_(torch.tensor(lens, dtype=torch.int32))
-        g.replay()
-        torch.cuda.synchronize()
-        ro, rl = ops.mla_decode_attention(q.float(), cache, bt, qsl, lens, 576 ** -0.5, 512, 0.05)
-        _check(out, lse, ro, rl)
-    seq = [3000, 17, 90000]
-    q, cache, bt, qsl = _gpu_case(16, [-(-L // 2) + 16 for L in seq], [1, 1, 1], 0.05)
-    for rank in (0, 1):
-        out, lse = tk.mla_decode_attention_dcp_local(q, cache, bt, qsl, seq, 576 ** -0.5, 512, 2, rank, 1, 0.05)
-        ro, rl = dcp.mla_decode_attention_local(q.float(), cache, bt, qsl, seq, 576 ** -0.5, 512, 2, rank, 1, 0.05)
-        _check(out, lse, ro, rl)
 
 
 if __name__ == "__main__":

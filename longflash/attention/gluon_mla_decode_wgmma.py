@@ -173,33 +173,17 @@ def _store_quarter(o, inv, base_ptr, row_stride, ok, J: gl.constexpr, OUT: gl.co
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _unit_tiles(qsl_ptr, kvlen_ptr, batch, num_groups, H, BLOCK_U: gl.constexpr, L: gl.constexpr):
-    """Stream-K work units (request b, head-group g), u = b · num_groups + g: the unit index [BLOCK_U], its
-    64-row tiles (cdiv(kv_len, 64); 0 past the batch or for a group past the request's query rows) and their
-    inclusive prefix sums (the schedule of :func:`longflash.attention.stream_k.stream_k_segments`)."""
-    u = gl.arange(0, BLOCK_U, layout=L)
-    b = u // num_groups
-    ok = b < batch
-    q_len = gl.load(qsl_ptr + b + 1, mask=ok, other=0) - gl.load(qsl_ptr + b, mask=ok, other=0)
-    kv = gl.load(kvlen_ptr + b, mask=ok, other=0)
-    tiles = gl.where(ok & ((u - b * num_groups) * 16 < q_len * H), gl.cdiv(kv, 64), 0)
-    return u, tiles, gl.associative_scan(tiles, 0, _add)
-
-
-@gluon.jit
-def _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem, kp_smem, pt_smem, b, pid_g,
-            q_start, q_len, kv_len, lo, hi, num_tiles, part_row, part_stride, H, stride_bt, stride_qt, stride_qh,
-            stride_ot, stride_oh, qk_scale, out_scale, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-            HAS_VIS: gl.constexpr, SPLIT: gl.constexpr):
-    """Query rows 16·pid_g.. of request b against its cache rows [lo, hi) (``num_tiles`` 64-row tiles): the
-    output (SPLIT: the fp32 partial of row r at ``part_row + r · part_stride``, and its LSE) and the LSE."""
+def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
+                                H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits, qk_scale,
+                                out_scale, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, HAS_VIS: gl.constexpr,
+                                SPLIT: gl.constexpr):
+    """Stage 1 over an fp8 (uint8-viewed) cache ``[num_blocks, BLOCK_SIZE, 576]``, arguments and outputs as
+    :func:`gluon_mla_decode.mla_decode_fp8_stage1` (grid (head-group, kv-split, request), 4 warps, 64
+    cache rows per step, ``STAGES`` cp.async buffers)."""
+    gl.static_assert(STAGES >= 2, "STAGES must be >= 2 (the loop consumes a tile copied one iteration earlier)")
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     SL: gl.constexpr = _score_load_layout(128)
     SLR: gl.constexpr = _score_load_layout(64)
     VL: gl.constexpr = _value_load_layout()
@@ -209,6 +193,15 @@ def _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem
     CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     OUT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    KN_SH: gl.constexpr = _quarter_tile_layout()
+    KP_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 64)
+
+    pid_g = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(qsl_ptr + b)
+    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    kv_len = gl.load(kvlen_ptr + b)
 
     # q: each row times a power of two 2^e with max |q row| in [2^13, 2^14) (fp16 range; the Triton kernel's
     # F16 rule), stored once as Q^T's nine 64-wide chunks in wgmma positions (B operands, K-major)
@@ -220,10 +213,25 @@ def _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem
     amax = gl.maximum(gl.max(gl.abs(gl.load(q_row + c512, mask=okq, other=0.0).to(gl.float32)), axis=1),
                       gl.max(gl.abs(gl.load(q_row + 512 + c64, mask=okq, other=0.0).to(gl.float32)), axis=1))
     qs = _q_row_scale(amax)
+    q_smem = gl.allocate_shared_memory(gl.float16, [9, 16, 64], B_SH)
     cpos = _dims_of_positions(c64)
     for c in gl.static_range(9):
         qc = gl.load(q_row + 64 * c + cpos, mask=okq, other=0.0).to(gl.float32) * gl.expand_dims(qs, 1)
         q_smem.index(c).store(qc.to(gl.float16))
+
+    kn_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, BLOCK_N, 128], KN_SH)
+    kp_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], KP_SH)
+    pt_smem = gl.allocate_shared_memory(gl.float16, [16, BLOCK_N], B_SH)
+    # the swizzles leave the copies in, the score reads, the value reads and q's stores free of bank conflicts
+    kq0 = kn_smem.index(0)
+    kp0 = kp_smem.index(0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 128], CPN), kq0.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 64], CPP), kp0.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 128], SL),
+                                       _positions_of(kq0, 128).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 64], SLR), _positions_of(kp0, 64).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [128, BLOCK_N], VL), _value_view(kq0).type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float16, [16, 64], QL), q_smem.index(0).type) == 0)
     fence_async_shared()  # q's stores before wgmma reads them (the loop's first barrier orders the warps)
 
     h_idx = pid_g * 16 + gl.arange(0, 16, layout=HEADS)
@@ -231,6 +239,7 @@ def _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem
     j = h_idx // H
     vis = _visible_rows(vis_ptr, q_start, kv_len, q_len, j, row_ok, HAS_VIS)
     qsc = qk_scale / gl.convert_layout(qs, HEADS)  # exact: qs is a power of two
+    lo, hi, num_tiles = _split_rows(kv_len, num_splits, pid_s, pid_g, q_len, H, BLOCK_N)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
 
     BTN: gl.constexpr = gl.SliceLayout(1, CPN)
@@ -245,6 +254,7 @@ def _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem
     start_next = lo + (STAGES - 1) * BLOCK_N
     blk_n = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTN)
     blk_p = _block_ids(bt_row, start_next, hi, BLOCK_N, BLOCK_SIZE, BTP)
+
     m_i = gl.full([16], float("-inf"), gl.float32, layout=HEADS)
     l_acc = gl.zeros([BLOCK_N, 16], gl.float32, layout=MMA)  # running sums per score slot (summed at the end)
     o0 = gl.zeros([128, 16], gl.float32, layout=MMA)
@@ -323,14 +333,14 @@ def _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem
     mo = pid_g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, OUT))
     ok_o = mo < q_len * H
     tok_o = (q_start + mo // H).to(gl.int64)
-    if SPLIT:  # fp32 partials [.., 512] and their LSE at part_row + r · part_stride; an empty range writes only its LSE
-        prow = (part_row.to(gl.int64) + (mo - pid_g * 16) * part_stride) * 512
+    if SPLIT:  # partials [T, H, S, 512] fp32 and [T, H, S]; an empty split writes only its LSE
+        prow = ((tok_o * H + mo % H) * num_splits + pid_s) * 512
         ok_w = ok_o & (hi > lo)
         _store_quarter(o0, inv, out_ptr, prow, ok_w, 0, OUT)
         _store_quarter(o1, inv, out_ptr, prow, ok_w, 1, OUT)
         _store_quarter(o2, inv, out_ptr, prow, ok_w, 2, OUT)
         _store_quarter(o3, inv, out_ptr, prow, ok_w, 3, OUT)
-        gl.store(lse_ptr + part_row.to(gl.int64) + (h_idx - pid_g * 16) * part_stride, lse, mask=row_ok)
+        gl.store(lse_ptr + (tok * H + hh) * num_splits + pid_s, lse, mask=row_ok)
     else:
         orow = tok_o * stride_ot + (mo % H) * stride_oh
         _store_quarter(o0, inv, out_ptr, orow, ok_o, 0, OUT)
@@ -340,92 +350,8 @@ def _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem
         gl.store(lse_ptr + tok * H + hh, lse, mask=row_ok)
 
 
-
-
-@gluon.jit
-def mla_decode_fp8_wgmma_stage1(q_ptr, cache_ptr, bt_ptr, qsl_ptr, kvlen_ptr, vis_ptr, out_ptr, lse_ptr,
-                                H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, num_splits, qk_scale,
-                                out_scale, batch, num_groups, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                                HAS_VIS: gl.constexpr, SPLIT: gl.constexpr, STREAM_K: gl.constexpr = False,
-                                BLOCK_U: gl.constexpr = 16):
-    """Stage 1 over an fp8 (uint8-viewed) cache ``[num_blocks, BLOCK_SIZE, 576]``, arguments and outputs as
-    :func:`gluon_mla_decode.mla_decode_fp8_stage1` (grid (head-group, kv-split, request), 4 warps, 64
-    cache rows per step, ``STAGES`` cp.async buffers).
-
-    STREAM_K (with SPLIT): grid (P,) instead; the ``batch · num_groups`` units' tiles (``num_groups`` = the
-    head-groups per request, ``BLOCK_U`` >= the unit count) laid end to end are cut into P equal runs of
-    whole tiles, one per program, and program p writes its part of unit u (a run may span units) as the
-    partials ``out_ptr[p + u, 16, 512]`` fp32 and ``lse_ptr[p + u, 16]`` (the schedule and the slots of
-    :func:`longflash.attention.stream_k.stream_k_segments`; merged by ``triton_mla_decode``'s stream-K
-    stage 2). ``num_splits`` is unused then; ``batch`` and ``num_groups`` are unused without STREAM_K."""
-    gl.static_assert(STAGES >= 2, "STAGES must be >= 2 (the loop consumes a tile copied one iteration earlier)")
-    gl.static_assert(SPLIT or not STREAM_K, "STREAM_K writes partials: it needs SPLIT")
-    B_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    SL: gl.constexpr = _score_load_layout(128)
-    SLR: gl.constexpr = _score_load_layout(64)
-    VL: gl.constexpr = _value_load_layout()
-    CPN: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    CPP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    KN_SH: gl.constexpr = _quarter_tile_layout()
-    KP_SH: gl.constexpr = _swizzled_tile_layout(BLOCK_N, 64)
-
-    q_smem = gl.allocate_shared_memory(gl.float16, [9, 16, 64], B_SH)
-    kn_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, BLOCK_N, 128], KN_SH)
-    kp_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], KP_SH)
-    pt_smem = gl.allocate_shared_memory(gl.float16, [16, BLOCK_N], B_SH)
-    # the swizzles leave the copies in, the score reads, the value reads and q's stores free of bank conflicts
-    kq0 = kn_smem.index(0)
-    kp0 = kp_smem.index(0)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 128], CPN), kq0.type) == 0)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 64], CPP), kp0.type) == 0)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 128], SL),
-                                       _positions_of(kq0, 128).type) == 0)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [BLOCK_N, 64], SLR), _positions_of(kp0, 64).type) == 0)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [128, BLOCK_N], VL), _value_view(kq0).type) == 0)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float16, [16, 64], QL), q_smem.index(0).type) == 0)
-
-    if STREAM_K:
-        SCH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        pid = gl.program_id(0)
-        u_idx, tiles, cum = _unit_tiles(qsl_ptr, kvlen_ptr, batch, num_groups, H, BLOCK_U, SCH)
-        tpp = gl.cdiv(gl.sum(tiles, axis=0), gl.num_programs(0))  # tiles per program
-        t0 = pid * tpp
-        t1 = gl.minimum(t0 + tpp, gl.sum(tiles, axis=0))
-        while t0 < t1:
-            u = gl.sum((cum <= t0).to(gl.int32), axis=0)  # the unit holding tile t0 (empty units end before it)
-            end_u = gl.sum(gl.where(u_idx == u, cum, 0), axis=0)
-            start_u = end_u - gl.sum(gl.where(u_idx == u, tiles, 0), axis=0)
-            seg_end = gl.minimum(t1, end_u)
-            b = u // num_groups
-            q_start = gl.load(qsl_ptr + b)
-            q_len = gl.load(qsl_ptr + b + 1) - q_start
-            kv_len = gl.load(kvlen_ptr + b)
-            lo = (t0 - start_u) * BLOCK_N
-            hi = gl.minimum((seg_end - start_u) * BLOCK_N, kv_len)
-            gl.thread_barrier()  # every warp is done with the previous unit's q, tiles and P^T
-            _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem, kp_smem, pt_smem, b,
-                    u - b * num_groups, q_start, q_len, kv_len, lo, hi, seg_end - t0, (pid + u) * 16, 1, H,
-                    stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale, out_scale, BLOCK_SIZE, STAGES,
-                    HAS_VIS, True)
-            t0 = seg_end
-    else:
-        pid_g = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        q_start = gl.load(qsl_ptr + b)
-        q_len = gl.load(qsl_ptr + b + 1) - q_start
-        kv_len = gl.load(kvlen_ptr + b)
-        lo, hi, num_tiles = _split_rows(kv_len, num_splits, pid_s, pid_g, q_len, H, BLOCK_N)
-        # the partials [T, H, S, 512]: row (token, head) of split s at (token · H + head) · S + s
-        _attend(q_ptr, cache_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, q_smem, kn_smem, kp_smem, pt_smem, b, pid_g,
-                q_start, q_len, kv_len, lo, hi, num_tiles, (q_start.to(gl.int64) * H + pid_g * 16) * num_splits + pid_s,
-                num_splits, H, stride_bt, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale, out_scale,
-                BLOCK_SIZE, STAGES, HAS_VIS, SPLIT)
-
-
 def compile_stage1(target=None, *, stages: int = 2, split: bool = True, has_vis: bool = False, q_dtype: str = "bf16",
-                   block_size: int = 16, stream_k: bool = False, block_u: int = 64):
+                   block_size: int = 16):
     """Ahead-of-time compile of :func:`mla_decode_fp8_wgmma_stage1` for ``target`` (default
     ``GPUTarget("cuda", 90, 32)``: wgmma is sm_90 only), pointer and stride arguments marked 16-divisible as
     the JIT marks real tensors; no GPU needed (Triton's bundled ptxas). Returns Triton's compiled kernel.
@@ -438,19 +364,15 @@ def compile_stage1(target=None, *, stages: int = 2, split: bool = True, has_vis:
         raise ValueError(f"q_dtype must be 'bf16' or 'fp16', got {q_dtype!r}")
     if not isinstance(stages, int) or not isinstance(block_size, int) or stages < 2 or block_size < 1:
         raise ValueError(f"stages must be an int >= 2 and block_size an int >= 1, got {stages!r}, {block_size!r}")
-    if not isinstance(split, bool) or not isinstance(has_vis, bool) or not isinstance(stream_k, bool):
-        raise ValueError(f"split, has_vis and stream_k must be bools, got {split!r}, {has_vis!r}, {stream_k!r}")
-    if stream_k and not split:
-        raise ValueError("stream_k writes partials: it needs split=True")
-    if not isinstance(block_u, int) or block_u < 16 or block_u & (block_u - 1):
-        raise ValueError(f"block_u must be a power of two >= 16, got {block_u!r}")
+    if not isinstance(split, bool) or not isinstance(has_vis, bool):
+        raise ValueError(f"split and has_vis must be bools, got {split!r}, {has_vis!r}")
     if target.backend != "cuda" or int(target.arch) != 90:
         raise ValueError(f"the kernel needs compute capability 9.0 (wgmma), got {target}")
     sig = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*u8", "bt_ptr": "*i32", "qsl_ptr": "*i32", "kvlen_ptr": "*i32",
            "vis_ptr": "*i32", "out_ptr": "*fp32" if split else f"*{q_dtype}", "lse_ptr": "*fp32", "H": "i32",
            "stride_bt": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
-           "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32", "batch": "i32", "num_groups": "i32"}
-    const = dict(BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split, STREAM_K=stream_k, BLOCK_U=block_u)
+           "num_splits": "i32", "qk_scale": "fp32", "out_scale": "fp32"}
+    const = dict(BLOCK_SIZE=block_size, STAGES=stages, HAS_VIS=has_vis, SPLIT=split)
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     div = ["q_ptr", "cache_ptr", "bt_ptr", "qsl_ptr", "kvlen_ptr", "vis_ptr", "out_ptr", "lse_ptr",

@@ -51,7 +51,7 @@ MIN_SPLIT_ROWS = 64
 NARROW_WIDTH = 128  # cache rows of at most this many elements take the long narrow tiles (default_config)
 # the keys a tile config may set (default_config documents them)
 CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "V_RELOAD", "TRANS", "F16", "PREFETCH",
-                         "CVT_SMEM", "maxnreg", "occupancy", "GLUON", "WGMMA", "STREAM_K"})
+                         "CVT_SMEM", "maxnreg", "occupancy", "GLUON", "WGMMA"})
 MAX_SPLITS = 256
 # Rates of the split-count model (choose_num_splits): H200 copy bandwidth, and a bf16 tensor-core rate
 # this kernel may reach (about half the measured GEMM rate).
@@ -326,8 +326,7 @@ def _mla_decode_stage2(part_ptr, plse_ptr, out_ptr, lse_ptr, H, num_splits, stri
 # Where it cannot run (CPU interpreter, widths other than 512 + 64, no sm_89+) the Triton tile below takes its
 # place (``resolve_config``); fp32 queries take the 16-row bf16 tile.
 GLUON_FP8_CONFIG = {"GLUON": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "V_RELOAD": False,
-                    "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2, "WGMMA": True,
-                    "STREAM_K": True}
+                    "TRANS": False, "F16": True, "PREFETCH": False, "occupancy": 2, "WGMMA": True}
 TRITON_FP8_CONFIG = {"GLUON": False, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "V_RELOAD": True, "TRANS": False,
                      "F16": True, "PREFETCH": False, "occupancy": 2}
 
@@ -384,8 +383,7 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     is dropped instead), stays set only on a compute capability 9.0 device (elsewhere the mma.sync Gluon
     kernel runs), and is dropped when the Triton kernel runs. A Gluon tile buffering more than 128 cache rows
     (num_stages x BLOCK_N; e.g. 3 x 64: 131 KB of shared memory in the sm_90 compile reports) gets occupancy 1
-    unless ``config`` sets it. ``STREAM_K`` (a bool, else ValueError) lets :func:`choose_stream_k` pick the
-    stream-K split (:mod:`longflash.attention.stream_k`); it stays set only with the wgmma stage 1."""
+    unless ``config`` sets it."""
     fp8 = kv_cache.dtype == FP8_DTYPE
     H = q.shape[1]
     rows = 16 if q.dtype == torch.float32 and fp8 else max_query_len * H
@@ -402,13 +400,11 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
     if not use_gluon and base.get("GLUON", False):
         cfg = dict(TRITON_FP8_CONFIG, **{k: v for k, v in user.items() if k != "GLUON"})
     check_tile_shape(cfg, "MLA decode config")
-    for key in ("WGMMA", "STREAM_K"):
-        if not isinstance(cfg.get(key, False), bool):
-            raise ValueError(f"MLA decode config key {key} must be True or False, got {cfg[key]!r}")
+    if not isinstance(cfg.get("WGMMA", False), bool):
+        raise ValueError(f"MLA decode config key WGMMA must be True or False, got {cfg['WGMMA']!r}")
     if not use_gluon:
         cfg["GLUON"] = False
-        cfg.pop("WGMMA", None)  # Gluon-only keys: the Triton kernel runs
-        cfg.pop("STREAM_K", None)
+        cfg.pop("WGMMA", None)  # a Gluon-only key: the Triton kernel runs
         return cfg, use_gluon
     bad = [msg for ok, msg in ((cfg["BLOCK_M"] == 16, f"BLOCK_M must be 16 (got {cfg['BLOCK_M']})"),
                                (cfg["BLOCK_N"] in (32, 64), f"BLOCK_N must be 32 or 64 (got {cfg['BLOCK_N']})"),
@@ -426,7 +422,6 @@ def resolve_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, m
         if bad:
             raise ValueError("the Gluon wgmma decode tile (WGMMA=True was asked): " + "; ".join(bad))
         cfg["WGMMA"] = cfg["WGMMA"] and _wgmma_runs_on(_cuda_index(q.device))
-    cfg["STREAM_K"] = bool(cfg.get("STREAM_K", False)) and bool(cfg.get("WGMMA", False))  # its stage 1: wgmma only
     if cfg["num_stages"] * cfg["BLOCK_N"] > 128 and "occupancy" not in user:
         cfg["occupancy"] = 1  # both Gluon forms: > 128 buffered rows of 576 fp8 bytes leave one program per SM
     if cfg["num_warps"] == 8 and not cfg.get("maxnreg") and "occupancy" not in user:
@@ -539,35 +534,22 @@ def candidate_configs(max_query_rows: int, cache_dtype: torch.dtype, width: int 
     return out
 
 
-def _split_base(batch: int, max_kv_len: int, query_rows: int, kv_lora_rank: int, width: int, row_bytes: int) -> float:
-    """The split model's ``base``: max(cache bytes / BW, FLOPs / rate) in seconds at the nominal rates."""
-    return max(batch * max_kv_len * row_bytes / NOMINAL_BW,
-               2.0 * batch * query_rows * max_kv_len * (width + kv_lora_rank) / NOMINAL_FLOPS)
-
-
-def split_time(batch: int, head_groups: int, max_kv_len: int, query_rows: int, kv_lora_rank: int, width: int,
-               row_bytes: int, slots: int, num_splits: int) -> float:
-    """Modelled seconds of a call with ``num_splits`` kv-splits per request (:func:`choose_num_splits`)."""
-    programs = batch * head_groups * num_splits
-    eff = programs / (triton.cdiv(programs, slots) * slots)
-    partial = 2.0 * batch * query_rows * (kv_lora_rank + 1) * 4 * num_splits / NOMINAL_BW if num_splits > 1 else 0.0
-    return _split_base(batch, max_kv_len, query_rows, kv_lora_rank, width, row_bytes) / eff + partial
-
-
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch: int, head_groups: int, max_kv_len: int, query_rows: int, kv_lora_rank: int,
                       width: int, row_bytes: int, slots: int) -> int:
     """kv-splits per request, minimizing a time model (cached: no per-call host cost).
 
-    ``t(S) = base / eff(S) + partial(S) / BW`` (:func:`split_time`): ``base`` = max(cache bytes / BW,
-    FLOPs / rate) at nominal H200 rates (``NOMINAL_BW``, ``NOMINAL_FLOPS``); ``eff`` = programs / (waves ·
-    slots), the filled fraction of the ``slots`` = SMs × resident programs per SM (wave quantization
-    included; fewer programs than slots leave SMs idle); ``partial`` = the fp32 split results written and
+    ``t(S) = base / eff(S) + partial(S) / BW``: ``base`` = max(cache bytes / BW, FLOPs / rate) at
+    nominal H200 rates (``NOMINAL_BW``, ``NOMINAL_FLOPS``); ``eff`` = programs / (waves · slots), the
+    filled fraction of the ``slots`` = SMs × resident programs per SM (wave quantization included;
+    fewer programs than slots leave SMs idle); ``partial`` = the fp32 split results written and
     read, ``2 · batch · query_rows · (kv_lora_rank + 1) · 4 · S`` bytes. Each split covers a whole
     number k of ``MIN_SPLIT_ROWS``-row units (S = cdiv(L, k · MIN_SPLIT_ROWS)); a near-tie (within 2 %)
     keeps the smaller S."""
     if max_kv_len <= 0:
         return 1
+    base = max(batch * max_kv_len * row_bytes / NOMINAL_BW,
+               2.0 * batch * query_rows * max_kv_len * (width + kv_lora_rank) / NOMINAL_FLOPS)
     best_s, best_t = 1, float("inf")
     # candidates: splits of a whole number of MIN_SPLIT_ROWS-row units (S = cdiv(L, k * MIN_SPLIT_ROWS)), so
     # that no program walks a last, nearly empty tile (63 splits of 4096 rows = 66 rows each took 18.1 us
@@ -575,23 +557,13 @@ def choose_num_splits(batch: int, head_groups: int, max_kv_len: int, query_rows:
     cands = sorted({triton.cdiv(max_kv_len, k * MIN_SPLIT_ROWS)
                     for k in range(1, triton.cdiv(max_kv_len, MIN_SPLIT_ROWS) + 1)})
     for s in (c for c in cands if c <= MAX_SPLITS):
-        t = split_time(batch, head_groups, max_kv_len, query_rows, kv_lora_rank, width, row_bytes, slots, s)
+        programs = batch * head_groups * s
+        eff = programs / (triton.cdiv(programs, slots) * slots)
+        partial = 2.0 * batch * query_rows * (kv_lora_rank + 1) * 4 * s / NOMINAL_BW if s > 1 else 0.0
+        t = base / eff + partial
         if t < best_t * 0.98:
             best_s, best_t = s, t
     return best_s
-
-
-@functools.lru_cache(maxsize=4096)
-def choose_stream_k(batch: int, head_groups: int, max_kv_len: int, query_rows: int, kv_lora_rank: int, width: int,
-                    row_bytes: int, slots: int) -> bool:
-    """Whether the stream-K split (:mod:`longflash.attention.stream_k`, ``slots`` programs) beats the best
-    per-request split by more than 1 % in the two models (:func:`stream_k.stream_k_time`,
-    :func:`split_time`); False for an empty call. Cached."""
-    from longflash.attention.stream_k import stream_k_time
-    if max_kv_len <= 0 or batch <= 0:
-        return False
-    args = (batch, head_groups, max_kv_len, query_rows, kv_lora_rank, width, row_bytes, slots)
-    return stream_k_time(*args) < 0.99 * split_time(*args, choose_num_splits(*args))
 
 
 def _as_int32(x, device: torch.device) -> torch.Tensor:
@@ -627,9 +599,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         visible_lens: optional [T] int32 device tensor: query t sees the request's first
             ``visible_lens[t]`` rows instead of the causal rule (decode-context parallelism's local
             shard, :func:`mla_decode_attention_dcp_local`); ``seq_lens`` are then the rows scanned.
-        num_splits / config: overrides of :func:`choose_num_splits` / :func:`default_config`; a given
-            num_splits also turns off the stream-K split (which :func:`choose_stream_k` picks for the sm_90
-            fp8 kernel when it models faster: :mod:`longflash.attention.stream_k`).
+        num_splits / config: overrides of :func:`choose_num_splits` / :func:`default_config`.
     Returns:
         out [T, H, kv_lora_rank] in q's dtype, lse [T, H] fp32 (natural log; −inf and output 0 for a
         query that sees no row, e.g. seq_len 0).
@@ -724,15 +694,10 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                   **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not interp else {}))
     grid = (groups, S, B)
     qk_scale = float(scale) * ks * LOG2E
-    extra, sk, P = (), False, 0
     if use_gluon and cfg.get("WGMMA", False):
         from longflash.attention.gluon_mla_decode_wgmma import mla_decode_fp8_wgmma_stage1
         stage1 = mla_decode_fp8_wgmma_stage1
         common = dict(BLOCK_SIZE=block_size, STAGES=cfg["num_stages"], HAS_VIS=visible_lens is not None, num_warps=4)
-        extra = (B, groups)  # batch, num_groups: read by the stream-K form only
-        P = sm_count(q.device) * cfg["occupancy"]
-        sk = num_splits is None and cfg.get("STREAM_K", False) and choose_stream_k(
-            B, groups, max_seq_len, max_query_len * H, R, W, row_bytes, P)
     elif use_gluon:
         from longflash.attention.gluon_mla_decode import mla_decode_fp8_stage1
         stage1 = mla_decode_fp8_stage1
@@ -741,24 +706,14 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                       **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
     else:
         stage1 = _mla_decode_stage1
-    if sk:  # stream-K: P programs over all units' tiles, partials in P + U slots (attention/stream_k.py)
-        from longflash.attention.stream_k import GROUP_ROWS, block_u, merge_stream_k
-        U = B * groups
-        part = torch.empty((P + U, GROUP_ROWS, BLOCK_R), dtype=torch.float32, device=q.device)
-        plse = torch.empty((P + U, GROUP_ROWS), dtype=torch.float32, device=q.device)
-        stage1[(P,)](q, src, bt, qsl, kvl, vis, part, plse, H, bt.stride(0), q.stride(0), q.stride(1),
-                     out.stride(0), out.stride(1), 1, qk_scale, ks, B, groups, SPLIT=True, STREAM_K=True,
-                     BLOCK_U=block_u(U), **common)
-        merge_stream_k(part, plse, out, lse, qsl, kvl, H, groups, P)
-        return out, lse
     if S == 1:
         stage1[grid](q, src, bt, qsl, kvl, vis, out, lse, H, bt.stride(0), q.stride(0),
-                     q.stride(1), out.stride(0), out.stride(1), 1, qk_scale, ks, *extra, SPLIT=False, **common)
+                     q.stride(1), out.stride(0), out.stride(1), 1, qk_scale, ks, SPLIT=False, **common)
         return out, lse
     part = torch.empty((T, H, S, BLOCK_R), dtype=torch.float32, device=q.device)
     plse = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
     stage1[grid](q, src, bt, qsl, kvl, vis, part, plse, H, bt.stride(0), q.stride(0),
-                 q.stride(1), out.stride(0), out.stride(1), S, qk_scale, ks, *extra, SPLIT=True, **common)
+                 q.stride(1), out.stride(0), out.stride(1), S, qk_scale, ks, SPLIT=True, **common)
     BLOCK_S = triton.next_power_of_2(S)
     BLOCK_C = min(BLOCK_R, max(16, 4096 // BLOCK_S))
     _mla_decode_stage2[(T * H, triton.cdiv(R, BLOCK_C))](part, plse, out, lse, H, S, out.stride(0), out.stride(1),

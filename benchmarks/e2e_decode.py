@@ -350,12 +350,13 @@ def graph_replay_ms(dr, batch: int, replays: int = 50) -> float | None:
 def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev: torch.device, peak_gbs: float,
                max_model_len: int, enforce_eager: bool, hf_tokens: dict[int, list[list[int]]],
                profile_deadline: float, op_shapes: bool = False, engine_kw: dict | None = None,
-               label: str | None = None) -> dict:
+               label: str | None = None, max_num_seqs: int | None = None) -> dict:
     """longflash on the checkpoint at ``path``: per batch a warm-up run of the same shape (4 tokens),
     the timed ``run_offline`` and its roofline, greedy tokens vs HF's (``hf_tokens``: batch -> rows),
     and on a GPU a kernel profile while ``elapsed() < profile_deadline``. ``engine_kw`` overrides
     ``EngineConfig`` fields (e.g. ``kv_cache_dtype``, ``max_num_batched_tokens``; ``benchmarks/long_decode.py``);
-    ``label`` names the run in the log (a baseline's key)."""
+    ``label`` names the run in the log (a baseline's key). ``max_num_seqs`` (default: the largest batch)
+    below a batch leaves that batch's other requests waiting for a slot (the serving steady state)."""
     from longflash.bench import run_offline
     from longflash.bench_roofline import StepBytes
     from longflash.config import EngineConfig
@@ -365,7 +366,7 @@ def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev
         name = f"{name} ({label})"
     t0 = time.perf_counter()
     kw = dict(model=path, dtype="bfloat16" if dev.type == "cuda" else "float32", device=dev.type,
-              max_model_len=max_model_len, max_num_seqs=max(prompts),
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs or max(prompts),
               max_num_batched_tokens=max(2048, max(prompts) * max_model_len // 2),
               kv_cache_memory="8GiB" if dev.type == "cuda" else "256MiB", skip_tokenizer_init=True,
               enforce_eager=enforce_eager, enable_prefix_caching=False)
@@ -382,17 +383,20 @@ def ours_bench(path: str, prompts: dict[int, torch.Tensor], output_len: int, dev
         run_offline(engine, reqs, 4)  # warm-up of this batch shape (JIT compiles, allocator growth)
         m = run_offline(engine, reqs, output_len, peak_gbs)
         r = out[str(b)] = {
-            "batch": b, "decode_tok_s": b / (m["decode_step_ms"] / 1e3), "decode_step_ms": m["decode_step_ms"],
+            # (a decode step holds at most max_num_seqs of the batch's requests)
+            "batch": b, "decode_tok_s": min(b, engine.config.max_num_seqs) / (m["decode_step_ms"] / 1e3),
+            "decode_step_ms": m["decode_step_ms"],
             "bytes_per_step": m["decode_bytes_per_step"], "achieved_gbs": m["achieved_bandwidth_gbs"],
             "roofline_fraction": m["bandwidth_roofline_fraction"], "output_tok_s": m["output_throughput"],
             "mean_ttft_ms": m["mean_ttft_ms"], "decode_steps": m["decode_steps"]}
-        replay = graph_replay_ms(dr, b)
+        replay = graph_replay_ms(dr, min(b, engine.config.max_num_seqs))
         if replay is not None:
             r["graph_replay_ms"] = replay
             log(f"longflash {name} batch {b}: the decode step's CUDA graph alone {replay:.3f} ms per replay "
                 f"(the rest of the step, {r['decode_step_ms'] - replay:.3f} ms, is host work)")
         log(f"longflash {name} batch {b}: {r['decode_tok_s']:.1f} tok/s, step {r['decode_step_ms']:.3f} ms, "
-            f"{r['bytes_per_step'] / 1e6:.0f} MB/step, {r['roofline_fraction']:.3f} of the copy roofline")
+            f"{r['bytes_per_step'] / 1e6:.0f} MB/step, {r['roofline_fraction']:.3f} of the copy roofline; "
+            f"output {r['output_tok_s']:.1f} tok/s over the whole run ({r['decode_steps']} decode-only steps)")
         ref = hf_tokens.get(b)
         if ref:
             ours = greedy_tokens(engine, rows[:len(ref)], len(ref[0]))
@@ -423,8 +427,8 @@ def report(res: dict, batches: list[int]) -> str:
              f"total {res.get('total_s', elapsed()):.0f} s", "",
              f"`{res['command']}`", "",
              "| engine | batch | decode tok/s | step ms | graph replay ms | MB/step | GB/s | roofline fraction | "
-             "vs HF best |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "vs HF best | output tok/s (whole run) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     keys = ["longflash"] + [f"longflash_{n}" for n in BASELINES] + ["longflash_again", "longflash_eager"]
     for key in keys:
         for b in batches:
@@ -437,7 +441,7 @@ def report(res: dict, batches: list[int]) -> str:
             lines.append(f"| {key} | {b} | {r['decode_tok_s']:.1f} | {r['decode_step_ms']:.3f} | "
                          f"{'' if gr is None else f'{gr:.3f}'} | "
                          f"{r['bytes_per_step'] / 1e6:.0f} | {r['achieved_gbs']:.0f} | {r['roofline_fraction']:.3f} | "
-                         f"{r['speedup_vs_hf_best'] or float('nan'):.1f}x |")
+                         f"{r['speedup_vs_hf_best'] or float('nan'):.1f}x | {r['output_tok_s']:.1f} |")
     for b in batches:
         best = hf_best.get(str(b))
         if best:
@@ -504,6 +508,10 @@ def main() -> int:
     ap.add_argument("--repeat-default", action="store_true",
                     help="after the baselines, run the default configuration once more (longflash_again): "
                          "the drift between runs in one process")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="longflash's max_num_seqs (default: the largest --batch); below a batch, that batch's "
+                         "other requests wait for a slot (a full batch with a queue, as a loaded server)")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline (and no token comparison)")
     ap.add_argument("--op-shapes", action="store_true",
                     help="eager run: the ops with most device time per input shape at the smallest batch")
     args = ap.parse_args()
@@ -514,8 +522,9 @@ def main() -> int:
         args.batch = [min(b, 4) for b in args.batch]
         args.input_len, args.output_len = min(args.input_len, 16), min(args.output_len, 8)
         args.hf_new_tokens = min(args.hf_new_tokens, 8)
-    if args.hf_new_tokens < 2 or args.output_len < 2 or min(args.batch) < 1 or args.input_len < 1:
-        raise SystemExit("--hf-new-tokens and --output-len must be >= 2, --batch and --input-len >= 1")
+    if args.hf_new_tokens < 2 or args.output_len < 2 or min(args.batch) < 1 or args.input_len < 1 \
+            or (args.max_num_seqs is not None and args.max_num_seqs < 1):
+        raise SystemExit("--hf-new-tokens and --output-len must be >= 2, --batch, --input-len and --max-num-seqs >= 1")
     cfg = TINY if tiny else FULL
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     res = {"config": cfg, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -543,7 +552,8 @@ def main() -> int:
         rows = [[rng.randrange(4, cfg["vocab_size"]) for _ in range(args.input_len)] for _ in range(max(args.batch))]
         prompts = {b: torch.tensor(rows[:b], device=dev) for b in args.batch}
         # HF gets at most ~35 % of the budget: longflash's load, graph capture and runs need the rest.
-        res["hf"] = hf_bench(hf, prompts, args.hf_new_tokens, dev, deadline=0.35 * args.budget_s)
+        res["hf"] = {"runs": {}, "best": {}} if args.skip_hf else \
+            hf_bench(hf, prompts, args.hf_new_tokens, dev, deadline=0.35 * args.budget_s)
         dump(res, args.out)
         del hf
         _free(dev)
@@ -564,7 +574,8 @@ def main() -> int:
             try:
                 res[key] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, False, hf_tokens,
                                       profile_deadline=0.0 if args.no_profile else 0.7 * args.budget_s,
-                                      engine_kw=engine_kw, label=None if key == "longflash" else key)
+                                      engine_kw=engine_kw, label=None if key == "longflash" else key,
+                                      max_num_seqs=args.max_num_seqs)
             finally:
                 if mod is not None:
                     setattr(mod, switch[1], True)
@@ -574,7 +585,8 @@ def main() -> int:
             log("longflash eager: skipped" + ("" if args.skip_eager else " (time budget)"))
         else:
             res["longflash_eager"] = ours_bench(tmp, prompts, args.output_len, dev, res["copy_gbs"], max_len, True,
-                                                {}, profile_deadline=0.0, op_shapes=args.op_shapes)
+                                                {}, profile_deadline=0.0, op_shapes=args.op_shapes,
+                                                max_num_seqs=args.max_num_seqs)
             dump(res, args.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

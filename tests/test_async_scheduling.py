@@ -102,6 +102,33 @@ def test_abort_of_every_request_drops_the_launched_step():
     assert final == ref
 
 
+def test_waiting_requests_behind_a_full_batch(monkeypatch):
+    """More requests than batch slots (max_num_seqs 2, six requests): while the batch is full, decode steps
+    still launch ahead with requests waiting; a step after which a slot is free (a length finish) ends
+    synchronously, so the next request is admitted at once. Greedy requests that may stop by EOS (their
+    slot is taken a step later) and fixed-length ones: the synchronous engine's outputs."""
+    from longflash.engine import async_scheduling
+    waiting_at_launch = []
+    launch = async_scheduling.AsyncDecode.launch
+
+    def spy(self, sched, res, rows):
+        waiting_at_launch.append(len(self.runner_engine.scheduler.waiting))
+        return launch(self, sched, res, rows)
+
+    kw = dict(max_num_seqs=2)
+    reqs = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=i % 2 == 0))
+            for i, (p, n) in enumerate(zip(PROMPTS + PROMPTS[:2], (14, 25, 6, 30, 11, 17)))]
+    sync = _run(_engine(False, **kw), reqs)
+    eng = _engine(True, **kw)
+    eng.async_decode.runner_engine = eng
+    monkeypatch.setattr(async_scheduling.AsyncDecode, "launch", spy)
+    out = _run(eng, reqs)
+    assert out == sync
+    assert sum(w > 0 for w in waiting_at_launch) >= 10, waiting_at_launch  # launched ahead with requests waiting
+    # a length finish frees a slot: no step is launched ahead of the step that admits the next request
+    assert len(waiting_at_launch) < sum(len(t) for t, _, _ in out.values()) - len(out)
+
+
 @pytest.mark.parametrize("kw", [dict(num_gpu_blocks=14, enable_prefix_caching=False),
                                 dict(num_gpu_blocks=40, enable_prefix_caching=True),
                                 dict(max_model_len=20)])

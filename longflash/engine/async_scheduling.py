@@ -27,10 +27,17 @@ Only plain greedy requests take this path: N's logits live in the CUDA graph's o
 overwrites before the host reads N's tokens, and a plain greedy token is the row's argmax, taken on the
 device before N+1 is launched. So a step ends synchronously (as before) when any request samples,
 asks for logprobs, has penalties, a logit bias, allowed token ids or an active min_tokens (at N or
-N+1), when a DFlash drafter is on, when a request is waiting (its prefill is admitted at the next step
-without delay; while requests wait, even for a free batch slot, steps end synchronously), when a request recomputes its tokens after a preemption (a one-token step that samples
-nothing looks like a decode step), or when the KV pool cannot reserve the slots. A request whose token of step N is its
-last by length (``max_tokens``, ``max_model_len``) is left out of step N+1.
+N+1), when a DFlash drafter is on, when a request is waiting and the batch has a free slot after N (its
+prefill is admitted at the next step without delay), when a request recomputes its tokens after a
+preemption (a one-token step that samples nothing looks like a decode step), when running requests were
+left out of N (a token budget below the batch), or when the KV pool cannot reserve the slots. A request
+whose token of step N is its last by length (``max_tokens``, ``max_model_len``) is left out of step N+1
+(its slot counts as free).
+
+Waiting requests and a full batch (``max_num_seqs`` requests running after N, the serving steady state
+under load): N+1 is launched ahead; no waiting request could be admitted there unless N finishes a
+request by EOS or a stop string, and such a request's slot is taken one step later than the synchronous
+engine would (vLLM's async scheduler has the same one-step delay).
 """
 
 from __future__ import annotations
@@ -71,18 +78,21 @@ class AsyncDecode:
         self.runner = runner
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         cuda = device.type == "cuda"
         self._host_ids = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=cuda)
         self._copied = torch.cuda.Event() if cuda else None
         self.num_launched = 0  # steps launched ahead since start-up
 
-    def next_rows(self, sched: SchedulerOutput, res: StepResult, num_waiting: int, live: list[int]) -> list[int]:
+    def next_rows(self, sched: SchedulerOutput, res: StepResult, num_waiting: int, live: list[int],
+                  num_running: int) -> list[int]:
         """The requests (indices into ``sched.scheduled``) of the step to launch before step ``sched``'s
         tokens are read (``res``: its result): those of ``live`` (still running; a step launched ahead may
         hold requests finished or aborted since) that ``sched`` does not finish by length. Empty when
-        ``sched`` must end synchronously (the conditions in the module docstring)."""
+        ``sched`` must end synchronously (the conditions in the module docstring; ``num_waiting`` and
+        ``num_running``: the scheduler's queue and running requests now)."""
         dr = self.runner.decode_runner
-        if not live or num_waiting or res.chain is not None or dr is None or dr.query_len(sched) != 1:
+        if not live or num_running != len(live) or res.chain is not None or dr is None or dr.query_len(sched) != 1:
             return []
         bm, need, rows = self.block_manager, 0, []
         for i in live:
@@ -100,6 +110,8 @@ class AsyncDecode:
                 return []
             need += max(bm.blocks_needed(seq.num_computed_tokens + 2) - len(seq.block_table), 0)
             rows.append(i)
+        if num_waiting and len(rows) < self.max_num_seqs:
+            return []  # a free slot after sched: the waiting request's prefill is scheduled next, without delay
         return rows if need <= bm.num_free_blocks else []
 
     def launch(self, sched: SchedulerOutput, res: StepResult, rows: list[int]) -> tuple[list[int], AheadStep]:

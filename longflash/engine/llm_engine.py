@@ -766,7 +766,8 @@ class LLMEngine:
         else:  # (the live rows are listed only under async scheduling: no per-step work otherwise)
             ahead_rows = self.async_decode.next_rows(
                 sched, res, len(self.scheduler.waiting),
-                [i for i, s in enumerate(sched.scheduled) if self._is_live(s.seq)]) if self.async_decode else []
+                [i for i, s in enumerate(sched.scheduled) if self._is_live(s.seq)],
+                len(self.scheduler.running)) if self.async_decode else []
             if ahead_rows:
                 greedy, self._ahead = self.async_decode.launch(sched, res, ahead_rows)
             else:

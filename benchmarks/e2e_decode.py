@@ -61,7 +61,8 @@ T0 = time.perf_counter()
 # baseline measured in the same run")
 BASELINES = {"cublas": ("longflash.layers.gemv", "enabled"), "no-pdl": ("longflash.ops.triton_env", "PDL"),
              "moe-launches": ("longflash.layers.moe", "ONE_TOKEN_KERNEL"),
-             "sync-scheduling": ("EngineConfig", "async_scheduling")}  # an engine setting, not a module switch
+             "sync-scheduling": ("EngineConfig", "async_scheduling"),  # an engine setting, not a module switch
+             "sync-when-waiting": ("longflash.engine.async_scheduling", "LAUNCH_WITH_WAITING")}
 
 
 def model_config(dev: torch.device, max_len: int) -> tuple[dict, torch.dtype]:
@@ -496,7 +497,9 @@ def main() -> int:
                          "'moe-launches' = one-token MoE sub-layers as separate launches instead of the one-token "
                          "kernel (longflash.layers.moe.ONE_TOKEN_KERNEL = False; CUDA only, on the CPU the same path), "
                          "'sync-scheduling' = --no-async-scheduling (each step ends by reading its tokens; on the CPU "
-                         "async scheduling is off anyway, so the same configuration)")
+                         "async scheduling is off anyway, so the same configuration), "
+                         "'sync-when-waiting' = async scheduling, but every step synchronous while a request waits "
+                         "(longflash.engine.async_scheduling.LAUNCH_WITH_WAITING = False; see --max-num-seqs)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="longflash's max_model_len, at most the config's 4096 positions (512 with --tiny; "
                          "default: input + output + 8 rounded up to 64, i.e. 256): under a CUDA graph the "

@@ -59,9 +59,10 @@ def _spec_counters(engine) -> dict:
 
 def _decode_step_bytes(engine, step_bytes) -> int | None:
     """Bytes the next step must read when every running request decodes (None otherwise: a prefill
-    or mixed step is not a decode step)."""
+    or mixed step is not a decode step; nor is a step that may admit a waiting request, i.e. one with
+    requests waiting and a batch slot free)."""
     sch = engine.scheduler
-    if sch.waiting or not sch.running:
+    if not sch.running or (sch.waiting and len(sch.running) < sch.max_num_seqs):
         return None
     tokens = ctx = dreq = dctx = 0
     for seq in sch.running:

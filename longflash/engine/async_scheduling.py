@@ -52,6 +52,10 @@ from longflash.runner.model_runner import StepResult
 from longflash.runner.sampler import needs_logits_processing, row_argmax
 from longflash.runner.step_inputs import to_device_async
 
+# Launch ahead while requests wait behind a full batch (module docstring). Off: any waiting request keeps
+# steps synchronous (the rule before session 30; ``benchmarks/e2e_decode.py --baselines sync-when-waiting``).
+LAUNCH_WITH_WAITING = True
+
 
 @dataclass
 class AheadStep:
@@ -110,7 +114,7 @@ class AsyncDecode:
                 return []
             need += max(bm.blocks_needed(seq.num_computed_tokens + 2) - len(seq.block_table), 0)
             rows.append(i)
-        if num_waiting and len(rows) < self.max_num_seqs:
+        if num_waiting and (len(rows) < self.max_num_seqs or not LAUNCH_WITH_WAITING):
             return []  # a free slot after sched: the waiting request's prefill is scheduled next, without delay
         return rows if need <= bm.num_free_blocks else []
 

@@ -132,10 +132,45 @@ compare("tma_ov_long", *make(10, 200, 2, 1, 24, 16, torch.float32), None, config
 compare("tma_ov_chunk_end", *make(20, 53, 2, 2, 48, 32, torch.float32), 33, config=OV)
 compare("tma_ov_negative", *make(40, 30, 2, 2, 48, 32, torch.float32), -21, config=OV)
 compare("tma_ov_one_token", *make(1, 1, 2, 2, 48, 32, torch.float32), 0, config=OV)
+
+
+def compare_varlen(name, lq, lk, causal, dt=torch.float32, config=None, hk=2, split_v=False):
+    # attention_with_lse_varlen of requests laid end to end: the single-request kernel's bits per request,
+    # and the PyTorch reference (ops.attention_with_lse_varlen)
+    parts = [make(a, b, 2, hk, 48, 32, dt, split_v) for a, b in zip(lq, lk)]
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    out, lse = tp.attention_with_lse_varlen(q, k, v, 0.3, lq, lk, causal, config=config)
+    same, qs = True, 0
+    for (pq, pk, pv), a, b in zip(parts, lq, lk):
+        o1, l1 = tp.attention_with_lse(pq, pk, pv, 0.3, b - a if causal else None, config=config)
+        same = same and bool(torch.equal(out[qs:qs + a], o1) and torch.equal(lse[qs:qs + a], l1))
+        qs += a
+    ro, rl = ops.attention_with_lse_varlen(q, k, v, 0.3, lq, lk, causal)
+    empty = rl.isinf()
+    res["varlen_" + name] = dict(
+        same_as_single=same, inf_match=bool(torch.equal(lse.isinf(), empty)),
+        rel=((out.double() - ro.double()).norm() / ro.double().norm().clamp_min(1e-30)).item(),
+        lse=(lse - rl).masked_fill(empty, 0).abs().max().item() if lse.numel() else 0.0,
+        shape_ok=out.shape == ro.shape and lse.shape == rl.shape, fp32=dt == torch.float32)
+
+
+compare_varlen("causal", [37, 1, 70, 16], [37, 1, 70, 16], True)
+compare_varlen("causal_bf16_split_v", [33, 5, 64], [33, 5, 64], True, torch.bfloat16, split_v=True)
+compare_varlen("chunk_ends", [20, 3], [53, 40], True)                  # queries at the ends of longer keys
+compare_varlen("noncausal_empty", [21, 0, 4], [50, 9, 0], False)      # a request without queries, one without keys
+compare_varlen("mqa", [19, 7], [35, 7], True, hk=1)
+compare_varlen("tma", [37, 1, 70], [37, 1, 70], True, config=TMA)
+compare_varlen("tma_ov_bf16", [37, 64, 2], [37, 64, 2], True, torch.bfloat16, config=OV)
+try:
+    tp.attention_with_lse_varlen(*make(5, 5, 2, 2, 48, 32, torch.float32), 0.3, [2, 2], [2, 3], True)
+    res["varlen_bad_lengths_raise"] = False
+except ValueError:
+    res["varlen_bad_lengths_raise"] = True
 print("RESULT" + json.dumps(res))
 """
 
 N_CASES = 2 * 7 + 10 + 2 * 4 + 4 + 2 * 3 + 5
+N_VARLEN = 7
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +207,10 @@ def test_case_check_bounds():
 
 
 def test_interpreter_equals_reference(interp_results):
-    assert len(interp_results) == N_CASES, sorted(interp_results)
-    bad = {n: p for n, r in interp_results.items() if (p := _case_problems(r))}
+    r = {n: v for n, v in interp_results.items() if not n.startswith("varlen_")}
+    assert len(r) == N_CASES, sorted(r)
+    bad = {n: p for n, c in r.items() if (p := _case_problems(c))}
     assert not bad, bad  # every failing case at once
-    r = interp_results
     # the awkward rows exist: queries that see no key, and none / all of them in the extreme offsets
     assert r["negative_float32"]["n_empty"] == 21 * 2 and r["negative_bfloat16"]["n_empty"] == 21 * 2
     assert r["below_tq"]["n_empty"] == r["below_tq"]["n_rows"] == 18 and r["beyond_tk"]["n_empty"] == 0
@@ -185,6 +220,20 @@ def test_interpreter_equals_reference(interp_results):
     tma = {n: c["tma"] for n, c in r.items() if n.startswith("tma_")}
     assert all(t["same"] for t in tma.values()), tma
     assert [n for n, t in tma.items() if not t["used"]] == ["tma_split_v_bfloat16", "tma_ov_split_v_bfloat16"], tma
+
+
+def test_interpreter_varlen_is_the_single_request_kernel(interp_results):
+    """``attention_with_lse_varlen`` (one launch for requests laid end to end: the MLA prefill's new tokens)
+    gives each request the single-request kernel's bits (pointer, TMA and paired-tile configs; causal with
+    queries at the end of longer keys, non-causal, a request without queries or without keys, one KV head)
+    and the reference's result; lengths that do not add up are refused."""
+    v = {n: c for n, c in interp_results.items() if n.startswith("varlen_") and isinstance(c, dict)}
+    assert len(v) == N_VARLEN, sorted(v)
+    bad = {n: c for n, c in v.items() if not (c["same_as_single"] and c["inf_match"] and c["shape_ok"]
+                                              and c["rel"] < (1e-5 if c["fp32"] else 1e-2)
+                                              and c["lse"] < (1e-5 if c["fp32"] else 1e-3))}
+    assert not bad, bad
+    assert interp_results["varlen_bad_lengths_raise"]
 
 
 def test_bad_input_raises():
@@ -303,9 +352,10 @@ def _compile_sm90() -> dict:
     variants["default d192 non-causal"] = (tp.default_config(torch.bfloat16, 192, 128), "bf16", 192, 128, False)
     variants["default fp16 d48 (default model)"] = (tp.default_config(torch.float16, 48, 32), "fp16", 48, 32, True)
     variants["fp32 d192"] = (tp.FP32_CONFIG, "fp32", 192, 128, True)
+    variants["default d192 varlen"] = (tp.default_config(torch.bfloat16, 192, 128), "bf16", 192, 128, True)
     for name, (cfg, dt, d, dv, causal) in variants.items():
         try:
-            c = tp.compile_fwd(cfg, dt, d, dv, causal)
+            c = tp.compile_fwd(cfg, dt, d, dv, causal, varlen=name.endswith("varlen"))
             ptx = c.asm["ptx"]
             out[name] = {"ok": True, "smem": c.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
                          "cp_async": re.search(r"cp\.async\.c[ag]\.", ptx) is not None,
@@ -325,7 +375,7 @@ def test_compiles_for_sm90_without_spills():
     from sm90_compile import compile_report
     res = compile_report(__file__)
     from longflash.attention.triton_prefill import PREFILL_CONFIGS
-    assert len(res) == len(PREFILL_CONFIGS) + 3, sorted(res)
+    assert len(res) == len(PREFILL_CONFIGS) + 4, sorted(res)
     assert sum(v.get("tma_config", False) for v in res.values()) >= 5, res
     assert sum(v.get("async_expected", False) for v in res.values()) >= 9, res
     bad = {k: v for k, v in res.items()
@@ -476,6 +526,22 @@ def test_gpu_dispatch_and_cuda_graph(config):
         graph.replay()
         want = tp.attention_with_lse(q, k, v, 0.1, 1024, config=config)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@cuda
+@pytest.mark.parametrize("lens", [[128] * 64, [1000, 1, 4096, 37, 129]])
+def test_gpu_varlen_equals_single_requests(lens):
+    """Real MLA prefill shapes (16 heads, 192 / 128 wide, v a split view): one varlen launch gives every
+    request the single-request kernel's bits (default config: TMA on an H200)."""
+    from longflash.attention import triton_prefill as tp
+    from longflash.attention import triton_ops
+    q, k, v = _gpu_inputs(sum(lens), sum(lens), 16, True)
+    out, lse = triton_ops.attention_with_lse_varlen(q, k, v, 0.1, lens, lens, True)
+    s = 0
+    for n in lens:
+        o1, l1 = tp.attention_with_lse(q[s:s + n], k[s:s + n], v[s:s + n], 0.1, 0)
+        assert torch.equal(out[s:s + n], o1) and torch.equal(lse[s:s + n], l1), (n, s)
+        s += n
 
 
 if __name__ == "__main__":

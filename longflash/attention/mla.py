@@ -270,12 +270,20 @@ class MLAAttention(nn.Module):
         """
         qsl = ctx.query_start_loc_cpu
         q = torch.cat([q_nope, q_pe], dim=-1)
+        # the new tokens of every prefill request at once: one up-projection, one varlen causal launch
+        lens = [qsl[b + 1] - qsl[b] for b in reqs]
+        if all(qsl[a + 1] == qsl[b] for a, b in zip(reqs, reqs[1:])):  # contiguous rows (the usual layout)
+            sel = slice(qsl[reqs[0]], qsl[reqs[-1] + 1])
+        else:
+            sel = to_device_async([r for b in reqs for r in range(qsl[b], qsl[b + 1])], torch.int64, q.device)
+        k, v = self._up_project(kv_c[sel], k_pe[sel])
+        o_new, lse_new = kernels.attention_with_lse_varlen(q[sel], k, v, self.scale, lens, lens, causal=True)
         run_out: dict[int, torch.Tensor] = {}
         run_lse: dict[int, torch.Tensor] = {}
-        for b in reqs:
-            s, e = qsl[b], qsl[b + 1]
-            k, v = self._up_project(kv_c[s:e], k_pe[s:e])
-            run_out[b], run_lse[b] = kernels.attention_with_lse(q[s:e], k, v, self.scale, causal_offset=0)
+        r0 = 0
+        for b, n in zip(reqs, lens):
+            run_out[b], run_lse[b] = o_new[r0:r0 + n], lse_new[r0:r0 + n]
+            r0 += n
         ctx_lens = [ctx.context_lens_cpu[b] for b in reqs]
         ps = _parallel_of(ctx)
         bs = self.kv_cache.shape[1]
@@ -311,6 +319,9 @@ class MLAAttention(nn.Module):
                                                    causal_offset=None)
                 run_out[b], run_lse[b] = kernels.merge_attn_states(o, lse, run_out[b], run_lse[b])
             del rows, k_all, v_all
+        if not plan and isinstance(sel, slice):
+            out[sel] = o_new  # no cached context: the new tokens' attention is the result
+            return
         for b in reqs:
             out[qsl[b]:qsl[b + 1]] = run_out[b]
 

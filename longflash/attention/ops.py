@@ -166,6 +166,38 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return out.to(q.dtype), lse.transpose(0, 1).contiguous()
 
 
+def attention_with_lse_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              seq_lens_q: list[int], seq_lens_k: list[int],
+                              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_with_lse` of B requests laid end to end: request b's queries are the next
+    ``seq_lens_q[b]`` rows of q [Σ Tq_b, H, D], its keys the next ``seq_lens_k[b]`` rows of k / v; causal:
+    ``causal_offset = Tk_b − Tq_b`` (its queries are its last positions), else non-causal. Returns out
+    [Σ Tq_b, H, Dv] in q's dtype, lse [Σ Tq_b, H] fp32 (0 and −inf for a query that sees no key).
+    Raises ValueError when the lengths do not add up to q's and k's rows. (Reference of
+    ``triton_prefill.attention_with_lse_varlen``, one request at a time.)"""
+    return varlen_by_request(attention_with_lse, q, k, v, scale, seq_lens_q, seq_lens_k, causal)
+
+
+def varlen_by_request(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      seq_lens_q: list[int], seq_lens_k: list[int], causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_with_lse_varlen` through ``attend`` (a function with :func:`attention_with_lse`'s
+    signature) called once per request; the results concatenated."""
+    if len(seq_lens_q) != len(seq_lens_k) or sum(seq_lens_q) != q.shape[0] or sum(seq_lens_k) != k.shape[0] \
+            or min(list(seq_lens_q) + list(seq_lens_k), default=0) < 0:
+        raise ValueError(f"seq_lens_q {list(seq_lens_q)} and seq_lens_k {list(seq_lens_k)} must describe q's "
+                         f"{q.shape[0]} and k's {k.shape[0]} rows")
+    outs, lses = [], []
+    qs = ks = 0
+    for tq, tk in zip(seq_lens_q, seq_lens_k):
+        o, lse = attend(q[qs:qs + tq], k[ks:ks + tk], v[ks:ks + tk], scale, tk - tq if causal else None)
+        outs.append(o)
+        lses.append(lse)
+        qs, ks = qs + tq, ks + tk
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v.shape[-1]), torch.zeros(0, q.shape[1], dtype=torch.float32, device=q.device)
+    return torch.cat(outs), torch.cat(lses)
+
+
 def attention_with_lse_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_with_lse` (same arguments, results and math) with less memory traffic: the dense

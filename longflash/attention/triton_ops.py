@@ -7,7 +7,8 @@
 - ``merge_attn_states``: one program per (token, head) merges two partial results by LSE.
 - ``attention_with_lse`` (the MLA prefill's dense attention): the FlashAttention-2 kernel of
   ``triton_prefill.py`` for CUDA tensors (no [H, Tq, Tk] score buffer); the in-place PyTorch form of
-  the reference (``ops.attention_with_lse_inplace``) for tensors on any other device.
+  the reference (``ops.attention_with_lse_inplace``) for tensors on any other device;
+  ``attention_with_lse_varlen``: the same for a batch of requests laid end to end, one launch.
 
 Both cache kernels are memory-bound: whole 576-wide rows per program (a 512- and a 64-wide tile, no
 masked lanes), 16-byte accesses, the row metadata (slot; request, position, block) read once per row.
@@ -42,6 +43,7 @@ import triton.language as tl
 
 from longflash.attention.ops import FP8_DTYPE
 from longflash.attention.triton_prefill import dispatch_attention_with_lse as attention_with_lse  # noqa: F401
+from longflash.attention.triton_prefill import dispatch_attention_with_lse_varlen as attention_with_lse_varlen  # noqa: F401,E501
 
 
 @triton.jit

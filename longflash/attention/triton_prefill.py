@@ -265,20 +265,35 @@ def _key_pair(s_a, q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk
 
 
 @triton.jit
-def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk, causal_offset,
+def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale, Tq, Tk, causal_offset,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_ot, stride_oh, stride_lt, D: tl.constexpr, DV: tl.constexpr,
                         D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                         INTERPRET: tl.constexpr, TMA: tl.constexpr, OVERLAP: tl.constexpr,
-                        MASKED_STAGES: tl.constexpr):
+                        MASKED_STAGES: tl.constexpr, VARLEN: tl.constexpr = False):
     """Grid (H, cdiv(Tq, BLOCK_M)); the last dimension of every tensor is contiguous (stride 1); a
     head stride of 0 broadcasts one KV head. ``qk_scale`` = softmax scale · log2(e). ``TMA``: the key and
     value tiles are read through tensor descriptors made here (the host checked TMA's alignment rules,
     :func:`tma_ok`), else through pointer tiles; the query tile through pointers either way. ``OVERLAP``:
-    the unmasked tiles run in pairs of :func:`_key_pair`."""
+    the unmasked tiles run in pairs of :func:`_key_pair`.
+    ``VARLEN``: grid (H, cdiv(max Tq, BLOCK_M), B); request b's queries are rows ``cu_q[b] .. cu_q[b + 1]``
+    of q / out / lse and its keys rows ``cu_k[b] .. cu_k[b + 1]`` of k / v (int32 prefix sums); Tq, Tk and
+    causal_offset are then per request (causal: ``Tk - Tq``, the queries are the last Tq positions)."""
     h = tl.program_id(0).to(tl.int64)
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest (causal) work first
+    if VARLEN:
+        b = tl.program_id(2)
+        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
+        k0 = tl.load(cu_k_ptr + b).to(tl.int64)
+        Tq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
+        Tk = (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32)
+        causal_offset = Tk - Tq
+        q_ptr += q0 * stride_qt
+        out_ptr += q0 * stride_ot
+        lse_ptr += q0 * stride_lt
+        k_ptr += k0 * stride_kt
+        v_ptr += k0 * stride_vt
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < Tq
     rows64 = rows.to(tl.int64)
@@ -316,6 +331,9 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, qk_scale, Tq, Tk,
     else:
         hi = Tk
         full_end = Tk
+    if VARLEN:  # a tile past this request's queries (a shorter request than the longest) reads nothing
+        hi = tl.where(m0 < Tq, hi, 0)
+        full_end = tl.minimum(full_end, hi)
     full_end = (full_end // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -569,7 +587,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     grid = (H, triton.cdiv(Tq, cfg["BLOCK_M"]))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _prefill_fwd_kernel[grid](
-            q, k, v, out, lse, float(scale) * LOG2E, Tq, Tk, off,
+            q, k, v, out, lse, lse, lse, float(scale) * LOG2E, Tq, Tk, off,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1) if k.shape[1] > 1 else 0,
             v.stride(0), v.stride(1) if v.shape[1] > 1 else 0, out.stride(0), out.stride(1), lse.stride(0),
             D=D, DV=Dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=cfg["BLOCK_M"],
@@ -580,14 +598,79 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 
+def _prefix_sums(lens: list[int], name: str) -> list[int]:
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in lens):
+        raise ValueError(f"{name} must be ints >= 0, got {lens}")
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def attention_with_lse_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              seq_lens_q: list[int], seq_lens_k: list[int], causal: bool, *,
+                              config: dict | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_with_lse` of B requests in one launch (the kernel's VARLEN form): request b's
+    queries are the next ``seq_lens_q[b]`` rows of q and its keys the next ``seq_lens_k[b]`` rows of k / v;
+    causal: its queries are its last ``seq_lens_q[b]`` key positions (``causal_offset = Tk_b − Tq_b``, the
+    prefill's new tokens attending among themselves when the lengths are equal), else non-causal.
+
+    Args:
+        q: [Σ Tq_b, H, D]; k: [Σ Tk_b, H or 1, D]; v: [Σ Tk_b, H or 1, Dv] (as :func:`attention_with_lse`).
+        seq_lens_q, seq_lens_k: B host ints >= 0 each (lists: the grid is sized from them, no device sync).
+    Returns:
+        out [Σ Tq_b, H, Dv] in q's dtype, lse [Σ Tq_b, H] fp32; a query that sees no key: 0 and −inf.
+    Raises:
+        ValueError as :func:`attention_with_lse`, and for lengths that are not ints >= 0, lists of different
+        lengths, or sums other than q's and k's rows.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (a float), got {type(scale).__name__}")
+    if not 0 < float(scale) < math.inf:
+        raise ValueError(f"scale must be a finite number > 0, got {float(scale)!r}")
+    _check(q, k, v)
+    cu_q, cu_k = _prefix_sums(list(seq_lens_q), "seq_lens_q"), _prefix_sums(list(seq_lens_k), "seq_lens_k")
+    if len(cu_q) != len(cu_k) or cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0]:
+        raise ValueError(f"seq_lens_q ({len(cu_q) - 1} requests, {cu_q[-1]} rows) and seq_lens_k ({len(cu_k) - 1}, "
+                         f"{cu_k[-1]} rows) must describe q's {q.shape[0]} and k's {k.shape[0]} rows")
+    Tq, H, D = q.shape
+    Dv = v.shape[2]
+    out = torch.zeros((Tq, H, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32, device=q.device)
+    B = len(cu_q) - 1
+    max_q = max(b - a for a, b in zip(cu_q, cu_q[1:])) if B else 0
+    if max_q == 0 or H == 0 or k.shape[0] == 0:
+        return out, lse  # (a request without keys keeps 0 and -inf; so does one in a launch with none)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cfg = resolve_config(q.dtype, config, D, Dv)
+    interp = interpreting()
+    d1, d2 = split_width(D)
+    tma = cfg.get("TMA", False) and tma_ok(cfg, k, v)
+    if tma and not interp:
+        _ensure_scratch_allocator()
+    cu = torch.tensor(cu_q + cu_k, dtype=torch.int32).to(q.device, non_blocking=True)
+    grid = (H, triton.cdiv(max_q, cfg["BLOCK_M"]), B)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _prefill_fwd_kernel[grid](
+            q, k, v, out, lse, cu[:B + 1], cu[B + 1:], float(scale) * LOG2E, 0, 0, 0,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1) if k.shape[1] > 1 else 0,
+            v.stride(0), v.stride(1) if v.shape[1] > 1 else 0, out.stride(0), out.stride(1), lse.stride(0),
+            D=D, DV=Dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), IEEE=q.dtype == torch.float32 or interp, INTERPRET=interp,
+            TMA=tma, OVERLAP=cfg.get("OVERLAP", False), MASKED_STAGES=cfg.get("MASKED_STAGES"), VARLEN=True,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
 def compile_fwd(config: dict, dtype: str = "bf16", d: int = 192, dv: int = 128, causal: bool = True,
-                target=None):
+                target=None, varlen: bool = False):
     """Compile the kernel ahead of time without a GPU (Triton's ``triton.compile``; the sm_90 checks in
     ``tests/test_triton_prefill.py``). ``config``: a tile dict as in ``PREFILL_CONFIGS``; ``dtype``:
     Triton's name of the input dtype ("bf16", "fp16", "fp32"); ``target``: a
     ``triton.backends.compiler.GPUTarget``, default sm_90. Pointers and the token/head strides are
     marked 16-divisible, as the JIT marks them for real tensors. Returns the ``CompiledKernel``
-    (``.asm["ptx"]``, ``.metadata.shared``). Raises ValueError for an unknown dtype name."""
+    (``.asm["ptx"]``, ``.metadata.shared``); ``varlen``: the kernel's VARLEN form (:func:`attention_with_lse_varlen`).
+    Raises ValueError for an unknown dtype name."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     if dtype not in ("bf16", "fp16", "fp32"):
@@ -595,13 +678,14 @@ def compile_fwd(config: dict, dtype: str = "bf16", d: int = 192, dv: int = 128, 
     cfg = resolve_config(torch.float32 if dtype == "fp32" else torch.bfloat16, dict(config))
     d1, d2 = split_width(d)
     sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-           "lse_ptr": "*fp32", "qk_scale": "fp32",
+           "lse_ptr": "*fp32", "cu_q_ptr": "*i32" if varlen else "*fp32", "cu_k_ptr": "*i32" if varlen else "*fp32",
+           "qk_scale": "fp32",
            **{n: "i32" for n in ("Tq", "Tk", "causal_offset", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                  "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_lt")}}
     const = dict(D=d, DV=dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=cfg["BLOCK_M"],
                  BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IEEE=dtype == "fp32", INTERPRET=False,
                  TMA=cfg.get("TMA", False), OVERLAP=cfg.get("OVERLAP", False),
-                 MASKED_STAGES=cfg.get("MASKED_STAGES"))
+                 MASKED_STAGES=cfg.get("MASKED_STAGES"), VARLEN=varlen)
     sig.update({c: "constexpr" for c in const})
     names = list(sig)
     div = [n for n in names if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_lt")]
@@ -622,3 +706,15 @@ def dispatch_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return attention_with_lse(q, k, v, scale, causal_offset)
     from longflash.attention.ops import attention_with_lse_inplace
     return attention_with_lse_inplace(q, k, v, scale, causal_offset)
+
+
+def dispatch_attention_with_lse_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                       seq_lens_q: list[int], seq_lens_k: list[int],
+                                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``triton_ops.attention_with_lse_varlen``: :func:`attention_with_lse_varlen` (one launch) where
+    :func:`dispatch_attention_with_lse` would take the kernel, else ``ops.attention_with_lse_varlen`` (its
+    in-place form, one request at a time). Same arguments, returns and errors."""
+    if q.is_cuda and (q.dtype == torch.float32 or fits(q.shape[-1], v.shape[-1])):
+        return attention_with_lse_varlen(q, k, v, scale, seq_lens_q, seq_lens_k, causal)
+    from longflash.attention.ops import attention_with_lse_inplace, varlen_by_request
+    return varlen_by_request(attention_with_lse_inplace, q, k, v, scale, seq_lens_q, seq_lens_k, causal)

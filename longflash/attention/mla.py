@@ -200,12 +200,34 @@ class MLAAttention(nn.Module):
                 ps.dcp, ps.cp_kv_cache_interleave_size, self._k_scale(), gather_heads=True)
             out[rows] = torch.einsum("thr,hvr->thv", o_lat, w_uv)
             return
+        if reqs == list(range(len(reqs))):  # the running requests lead the batch: one call for all of them
+            k = len(reqs)
+            s, e = qsl[0], qsl[k]
+            q_lat = torch.einsum("thd,hdr->thr", q_nope[s:e], w_uk)
+            q_abs = torch.cat([q_lat, q_pe[s:e]], dim=-1)
+            o_lat, _ = self._decode_requests(q_abs, ctx, k)
+            out[s:e] = torch.einsum("thr,hvr->thv", o_lat, w_uv)
+            return
         for b in reqs:
             s, e = qsl[b], qsl[b + 1]
             q_lat = torch.einsum("thd,hdr->thr", q_nope[s:e], w_uk)
             q_abs = torch.cat([q_lat, q_pe[s:e]], dim=-1)
             o_lat, _ = self._decode_request(q_abs, ctx, b)
             out[s:e] = torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def _decode_requests(self, q_abs: torch.Tensor, ctx, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed attention of the first ``k`` requests of the batch (all decode / verify) in one call:
+        ``q_abs`` [their tokens, H, W] (one process; a mixed step's decodes). On a GPU the lengths go to
+        the op as device tensors with host bounds (no host -> device copy, no sync)."""
+        op = decode_op(self.kv_cache)
+        qsl = ctx.query_start_loc_cpu
+        max_q = max(qsl[b + 1] - qsl[b] for b in range(k))
+        max_s = max(ctx.seq_lens_cpu[:k])
+        if self.kv_cache.is_cuda:
+            return op(q_abs, self.kv_cache, ctx.block_table[:k], ctx.query_start_loc[:k + 1], ctx.seq_lens[:k],
+                      self.scale, self.kv_lora_rank, self._k_scale(), max_query_len=max_q, max_seq_len=max_s)
+        return op(q_abs, self.kv_cache, ctx.block_table[:k], qsl[:k + 1], ctx.seq_lens_cpu[:k], self.scale,
+                  self.kv_lora_rank, self._k_scale())
 
     def _decode_request(self, q_abs: torch.Tensor, ctx, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed attention of request b's queries ``q_abs`` [q_len, H, W] (one process). On a GPU the

@@ -499,7 +499,8 @@ def main() -> int:
                          "'sync-scheduling' = --no-async-scheduling (each step ends by reading its tokens; on the CPU "
                          "async scheduling is off anyway, so the same configuration), "
                          "'sync-when-waiting' = async scheduling, but every step synchronous while a request waits "
-                         "(longflash.engine.async_scheduling.LAUNCH_WITH_WAITING = False; see --max-num-seqs)")
+                         "(longflash.engine.async_scheduling.LAUNCH_WITH_WAITING = False; see --max-num-seqs; on "
+                         "the CPU async scheduling is off, so again the same configuration)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="longflash's max_model_len, at most the config's 4096 positions (512 with --tiny; "
                          "default: input + output + 8 rounded up to 64, i.e. 256): under a CUDA graph the "

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from longflash.ops.tile_config import check_tile_shape
+from longflash.runner.step_inputs import to_device_async
 from longflash.ops.triton_env import interpreting
 from longflash.ops.triton_math import dot_acc
 
@@ -265,7 +266,7 @@ def _key_pair(s_a, q1, q2, acc, m_i, l_i, k_src1, k_src2, v_src, start, rows, Tk
 
 
 @triton.jit
-def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale, Tq, Tk, causal_offset,
+def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, tile_ptr, qk_scale, Tq, Tk, causal_offset,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_ot, stride_oh, stride_lt, D: tl.constexpr, DV: tl.constexpr,
                         D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -277,23 +278,26 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_pt
     value tiles are read through tensor descriptors made here (the host checked TMA's alignment rules,
     :func:`tma_ok`), else through pointer tiles; the query tile through pointers either way. ``OVERLAP``:
     the unmasked tiles run in pairs of :func:`_key_pair`.
-    ``VARLEN``: grid (H, cdiv(max Tq, BLOCK_M), B); request b's queries are rows ``cu_q[b] .. cu_q[b + 1]``
-    of q / out / lse and its keys rows ``cu_k[b] .. cu_k[b + 1]`` of k / v (int32 prefix sums); Tq, Tk and
-    causal_offset are then per request (causal: ``Tk - Tq``, the queries are the last Tq positions)."""
+    ``VARLEN``: grid (H, number of query tiles); program (h, t) runs the query tile of row t of the int32
+    table ``tile_ptr`` [tiles, 5] = (first query m0 of the tile, the request's first row q0 in q / out /
+    lse, its queries Tq, its first row k0 in k / v, its keys Tk > 0); Tq, Tk and causal_offset are then
+    the request's (causal: ``Tk - Tq``, its queries are its last Tq positions)."""
     h = tl.program_id(0).to(tl.int64)
-    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest (causal) work first
     if VARLEN:
-        b = tl.program_id(2)
-        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
-        k0 = tl.load(cu_k_ptr + b).to(tl.int64)
-        Tq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
-        Tk = (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32)
+        row = tile_ptr + tl.program_id(1) * 5
+        m0 = tl.load(row)
+        q0 = tl.load(row + 1).to(tl.int64)
+        Tq = tl.load(row + 2)
+        k0 = tl.load(row + 3).to(tl.int64)
+        Tk = tl.load(row + 4)
         causal_offset = Tk - Tq
         q_ptr += q0 * stride_qt
         out_ptr += q0 * stride_ot
         lse_ptr += q0 * stride_lt
         k_ptr += k0 * stride_kt
         v_ptr += k0 * stride_vt
+    else:
+        m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest (causal) work first
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < Tq
     rows64 = rows.to(tl.int64)
@@ -331,9 +335,6 @@ def _prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_pt
     else:
         hi = Tk
         full_end = Tk
-    if VARLEN:  # a tile past this request's queries (a shorter request than the longest) reads nothing
-        hi = tl.where(m0 < Tq, hi, 0)
-        full_end = tl.minimum(full_end, hi)
     full_end = (full_end // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -587,7 +588,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     grid = (H, triton.cdiv(Tq, cfg["BLOCK_M"]))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _prefill_fwd_kernel[grid](
-            q, k, v, out, lse, lse, lse, float(scale) * LOG2E, Tq, Tk, off,
+            q, k, v, out, lse, lse, float(scale) * LOG2E, Tq, Tk, off,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1) if k.shape[1] > 1 else 0,
             v.stride(0), v.stride(1) if v.shape[1] > 1 else 0, out.stride(0), out.stride(1), lse.stride(0),
             D=D, DV=Dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=cfg["BLOCK_M"],
@@ -610,7 +611,9 @@ def _prefix_sums(lens: list[int], name: str) -> list[int]:
 def attention_with_lse_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                               seq_lens_q: list[int], seq_lens_k: list[int], causal: bool, *,
                               config: dict | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention_with_lse` of B requests in one launch (the kernel's VARLEN form): request b's
+    """:func:`attention_with_lse` of B requests in one launch (the kernel's VARLEN form: one program per
+    head and query tile of each request with keys, so a short request beside a long one costs no idle
+    programs): request b's
     queries are the next ``seq_lens_q[b]`` rows of q and its keys the next ``seq_lens_k[b]`` rows of k / v;
     causal: its queries are its last ``seq_lens_q[b]`` key positions (``causal_offset = Tk_b − Tq_b``, the
     prefill's new tokens attending among themselves when the lengths are equal), else non-causal.
@@ -635,27 +638,39 @@ def attention_with_lse_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"{cu_k[-1]} rows) must describe q's {q.shape[0]} and k's {k.shape[0]} rows")
     Tq, H, D = q.shape
     Dv = v.shape[2]
-    out = torch.zeros((Tq, H, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32, device=q.device)
-    B = len(cu_q) - 1
-    max_q = max(b - a for a, b in zip(cu_q, cu_q[1:])) if B else 0
-    if max_q == 0 or H == 0 or k.shape[0] == 0:
-        return out, lse  # (a request without keys keeps 0 and -inf; so does one in a launch with none)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((Tq, H, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Tq, H), dtype=torch.float32, device=q.device)
     cfg = resolve_config(q.dtype, config, D, Dv)
+    bm = cfg["BLOCK_M"]
+    # the work table: one row per query tile of a request that has keys, the tiles that see the most keys
+    # first (the single-request launch's longest-first order, across requests); a request without keys
+    # gets 0 and -inf here and no tile (no empty programs, no zero-size TMA descriptor)
+    tiles = []
+    for b in range(len(cu_q) - 1):
+        q0, nq, k0, nk = cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b]
+        if nq and not nk:
+            out[q0:q0 + nq].zero_()
+            lse[q0:q0 + nq].fill_(float("-inf"))
+        if nq and nk:
+            for m0 in range(0, nq, bm):
+                seen = min(nk, max(m0 + bm + nk - nq, 0)) if causal else nk
+                tiles.append((seen, m0, q0, nq, k0, nk))
+    if not tiles or H == 0:
+        return out, lse
+    tiles.sort(key=lambda t: -t[0])
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     interp = interpreting()
     d1, d2 = split_width(D)
     tma = cfg.get("TMA", False) and tma_ok(cfg, k, v)
     if tma and not interp:
         _ensure_scratch_allocator()
-    cu = torch.tensor(cu_q + cu_k, dtype=torch.int32).to(q.device, non_blocking=True)
-    grid = (H, triton.cdiv(max_q, cfg["BLOCK_M"]), B)
+    table = to_device_async([x for t in tiles for x in t[1:]], torch.int32, q.device)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _prefill_fwd_kernel[grid](
-            q, k, v, out, lse, cu[:B + 1], cu[B + 1:], float(scale) * LOG2E, 0, 0, 0,
+        _prefill_fwd_kernel[(H, len(tiles))](
+            q, k, v, out, lse, table, float(scale) * LOG2E, 0, 0, 0,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1) if k.shape[1] > 1 else 0,
             v.stride(0), v.stride(1) if v.shape[1] > 1 else 0, out.stride(0), out.stride(1), lse.stride(0),
-            D=D, DV=Dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=cfg["BLOCK_M"],
+            D=D, DV=Dv, D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=bm,
             BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), IEEE=q.dtype == torch.float32 or interp, INTERPRET=interp,
             TMA=tma, OVERLAP=cfg.get("OVERLAP", False), MASKED_STAGES=cfg.get("MASKED_STAGES"), VARLEN=True,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -678,7 +693,7 @@ def compile_fwd(config: dict, dtype: str = "bf16", d: int = 192, dv: int = 128, 
     cfg = resolve_config(torch.float32 if dtype == "fp32" else torch.bfloat16, dict(config))
     d1, d2 = split_width(d)
     sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-           "lse_ptr": "*fp32", "cu_q_ptr": "*i32" if varlen else "*fp32", "cu_k_ptr": "*i32" if varlen else "*fp32",
+           "lse_ptr": "*fp32", "tile_ptr": "*i32" if varlen else "*fp32",
            "qk_scale": "fp32",
            **{n: "i32" for n in ("Tq", "Tk", "causal_offset", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                  "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_lt")}}

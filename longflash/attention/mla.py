@@ -298,14 +298,12 @@ class MLAAttention(nn.Module):
             sel = slice(qsl[reqs[0]], qsl[reqs[-1] + 1])
         else:
             sel = to_device_async([r for b in reqs for r in range(qsl[b], qsl[b + 1])], torch.int64, q.device)
+        q_new = q[sel]
         k, v = self._up_project(kv_c[sel], k_pe[sel])
-        o_new, lse_new = kernels.attention_with_lse_varlen(q[sel], k, v, self.scale, lens, lens, causal=True)
-        run_out: dict[int, torch.Tensor] = {}
-        run_lse: dict[int, torch.Tensor] = {}
-        r0 = 0
-        for b, n in zip(reqs, lens):
-            run_out[b], run_lse[b] = o_new[r0:r0 + n], lse_new[r0:r0 + n]
-            r0 += n
+        o_new, lse_new = kernels.attention_with_lse_varlen(q_new, k, v, self.scale, lens, lens, causal=True)
+        first = [0]  # each prefill request's first row in q_new / o_new
+        for n in lens:
+            first.append(first[-1] + n)
         ctx_lens = [ctx.context_lens_cpu[b] for b in reqs]
         ps = _parallel_of(ctx)
         bs = self.kv_cache.shape[1]
@@ -334,18 +332,19 @@ class MLAAttention(nn.Module):
                     r0 += kp.numel()
                 rows = ps.dcp.all_gather(rows, dim=0)[torch.cat(keep).to(rows.device)]
             k_all, v_all = self._up_project(*rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1))
-            for seg, (r0, r1) in zip(chunk.segments, spans):
-                b = reqs[seg.req]
-                s, e = qsl[b], qsl[b + 1]
-                o, lse = kernels.attention_with_lse(q[s:e], k_all[r0:r1], v_all[r0:r1], self.scale,
-                                                   causal_offset=None)
-                run_out[b], run_lse[b] = kernels.merge_attn_states(o, lse, run_out[b], run_lse[b])
+            # every segment of the chunk at once: its requests' new tokens attend (non-causally) to their
+            # own rows of the chunk (laid out in segment order from row 0), one varlen launch; then one merge
+            js = [seg.req for seg in chunk.segments]
+            if all(first[a + 1] == first[b] for a, b in zip(js, js[1:])):
+                rsel = slice(first[js[0]], first[js[-1] + 1])
+            else:
+                rsel = to_device_async([r for j in js for r in range(first[j], first[j + 1])], torch.int64, q.device)
+            o, lse = kernels.attention_with_lse_varlen(q_new[rsel], k_all[:spans[-1][1]], v_all[:spans[-1][1]],
+                                                       self.scale, [lens[j] for j in js],
+                                                       [r1 - r0 for r0, r1 in spans], causal=False)
+            o_new[rsel], lse_new[rsel] = kernels.merge_attn_states(o, lse, o_new[rsel], lse_new[rsel])
             del rows, k_all, v_all
-        if not plan and isinstance(sel, slice):
-            out[sel] = o_new  # no cached context: the new tokens' attention is the result
-            return
-        for b in reqs:
-            out[qsl[b]:qsl[b + 1]] = run_out[b]
+        out[sel] = o_new
 
     def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [n, R], [n, rope] -> K [n, H, nope + rope], V [n, H, v] through ``kv_b_proj``."""

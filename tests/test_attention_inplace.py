@@ -79,3 +79,24 @@ def test_inplace_equals_reference_gpu_real_shapes(tq, tk, causal_offset):
     got, got_lse = ops.attention_with_lse_inplace(q, k, v, 192 ** -0.5, causal_offset)
     assert torch.allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5)
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_varlen_reference_is_per_request_and_refuses_bad_lengths():
+    """``ops.attention_with_lse_varlen`` (the CPU prefill's batched form) = ``attention_with_lse`` per request
+    (causal offsets Tk − Tq; a request without keys gets 0 and −inf), and refuses what the Triton form refuses:
+    bools, negative or non-int lengths, lengths that do not add up."""
+    torch.manual_seed(0)
+    lq, lk = [3, 0, 5, 2], [7, 4, 5, 0]
+    q, k, v = torch.randn(sum(lq), 2, 16), torch.randn(sum(lk), 2, 16), torch.randn(sum(lk), 2, 8)
+    for causal in (True, False):
+        out, lse = ops.attention_with_lse_varlen(q, k, v, 0.3, lq, lk, causal)
+        qs = ks = 0
+        for a, b in zip(lq, lk):
+            o1, l1 = ops.attention_with_lse(q[qs:qs + a], k[ks:ks + b], v[ks:ks + b], 0.3, b - a if causal else None)
+            assert torch.equal(out[qs:qs + a], o1) and torch.equal(lse[qs:qs + a], l1)
+            qs, ks = qs + a, ks + b
+    assert bool((out[8:] == 0).all()) and bool(lse[8:].isinf().all())  # the last request has no keys
+    for bad_q, bad_k in (([3, 0, 5, True], [7, 4, 5, 0]), ([3, 0, 5, 2], [7, 4, 6, -1]), ([3, 0, 5, 2.0], lk),
+                         ([3, 0, 5, 1], lk), (lq, lk[:3])):
+        with pytest.raises(ValueError):
+            ops.attention_with_lse_varlen(q, k, v, 0.3, bad_q, bad_k, True)

@@ -182,9 +182,11 @@ def varlen_by_request(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       seq_lens_q: list[int], seq_lens_k: list[int], causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_with_lse_varlen` through ``attend`` (a function with :func:`attention_with_lse`'s
     signature) called once per request; the results concatenated."""
-    if len(seq_lens_q) != len(seq_lens_k) or sum(seq_lens_q) != q.shape[0] or sum(seq_lens_k) != k.shape[0] \
-            or min(list(seq_lens_q) + list(seq_lens_k), default=0) < 0:
-        raise ValueError(f"seq_lens_q {list(seq_lens_q)} and seq_lens_k {list(seq_lens_k)} must describe q's "
+    seq_lens_q, seq_lens_k = list(seq_lens_q), list(seq_lens_k)
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in seq_lens_q + seq_lens_k):
+        raise ValueError(f"sequence lengths must be ints >= 0 (as the Triton form), got {seq_lens_q} and {seq_lens_k}")
+    if len(seq_lens_q) != len(seq_lens_k) or sum(seq_lens_q) != q.shape[0] or sum(seq_lens_k) != k.shape[0]:
+        raise ValueError(f"seq_lens_q {seq_lens_q} and seq_lens_k {seq_lens_k} must describe q's "
                          f"{q.shape[0]} and k's {k.shape[0]} rows")
     outs, lses = [], []
     qs = ks = 0

@@ -294,10 +294,7 @@ class MLAAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         # the new tokens of every prefill request at once: one up-projection, one varlen causal launch
         lens = [qsl[b + 1] - qsl[b] for b in reqs]
-        if all(qsl[a + 1] == qsl[b] for a, b in zip(reqs, reqs[1:])):  # contiguous rows (the usual layout)
-            sel = slice(qsl[reqs[0]], qsl[reqs[-1] + 1])
-        else:
-            sel = to_device_async([r for b in reqs for r in range(qsl[b], qsl[b + 1])], torch.int64, q.device)
+        sel = _row_selector(qsl, reqs, q.device)
         q_new = q[sel]
         k, v = self._up_project(kv_c[sel], k_pe[sel])
         o_new, lse_new = kernels.attention_with_lse_varlen(q_new, k, v, self.scale, lens, lens, causal=True)
@@ -335,10 +332,7 @@ class MLAAttention(nn.Module):
             # every segment of the chunk at once: its requests' new tokens attend (non-causally) to their
             # own rows of the chunk (laid out in segment order from row 0), one varlen launch; then one merge
             js = [seg.req for seg in chunk.segments]
-            if all(first[a + 1] == first[b] for a, b in zip(js, js[1:])):
-                rsel = slice(first[js[0]], first[js[-1] + 1])
-            else:
-                rsel = to_device_async([r for j in js for r in range(first[j], first[j + 1])], torch.int64, q.device)
+            rsel = _row_selector(first, js, q.device)
             o, lse = kernels.attention_with_lse_varlen(q_new[rsel], k_all[:spans[-1][1]], v_all[:spans[-1][1]],
                                                        self.scale, [lens[j] for j in js],
                                                        [r1 - r0 for r0, r1 in spans], causal=False)
@@ -353,6 +347,14 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
         return k, v
+
+
+def _row_selector(starts: list[int], idx: list[int], device: torch.device) -> slice | torch.Tensor:
+    """The rows ``starts[i] .. starts[i + 1]`` of each i in ``idx`` (ascending), in order: a slice when they
+    are one run (the usual layout: no copy), else an int64 index tensor on ``device``."""
+    if all(starts[a + 1] == starts[b] for a, b in zip(idx, idx[1:])):
+        return slice(starts[idx[0]], starts[idx[-1] + 1])
+    return to_device_async([r for i in idx for r in range(starts[i], starts[i + 1])], torch.int64, device)
 
 
 def decode_op(cache: torch.Tensor):

@@ -178,16 +178,29 @@ def attention_with_lse_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return varlen_by_request(attention_with_lse, q, k, v, scale, seq_lens_q, seq_lens_k, causal)
 
 
+def varlen_prefix_sums(seq_lens_q, seq_lens_k, q_rows: int, k_rows: int) -> tuple[list[int], list[int]]:
+    """Prefix sums ``[0, n_0, n_0 + n_1, ...]`` of the query and key lengths of a varlen batch (both forms of
+    :func:`attention_with_lse_varlen` check their lengths here). Raises ValueError for lengths that are not
+    ints >= 0 (bools refused), lists of different lengths, or sums other than ``q_rows`` / ``k_rows``."""
+    lq, lk = list(seq_lens_q), list(seq_lens_k)
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in lq + lk):
+        raise ValueError(f"sequence lengths must be ints >= 0, got {lq} and {lk}")
+    if len(lq) != len(lk) or sum(lq) != q_rows or sum(lk) != k_rows:
+        raise ValueError(f"seq_lens_q {lq} ({len(lq)} requests) and seq_lens_k {lk} ({len(lk)}) must describe "
+                         f"q's {q_rows} and k's {k_rows} rows")
+    cu_q, cu_k = [0], [0]
+    for a, b in zip(lq, lk):
+        cu_q.append(cu_q[-1] + a)
+        cu_k.append(cu_k[-1] + b)
+    return cu_q, cu_k
+
+
 def varlen_by_request(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       seq_lens_q: list[int], seq_lens_k: list[int], causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_with_lse_varlen` through ``attend`` (a function with :func:`attention_with_lse`'s
     signature) called once per request; the results concatenated."""
     seq_lens_q, seq_lens_k = list(seq_lens_q), list(seq_lens_k)
-    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in seq_lens_q + seq_lens_k):
-        raise ValueError(f"sequence lengths must be ints >= 0 (as the Triton form), got {seq_lens_q} and {seq_lens_k}")
-    if len(seq_lens_q) != len(seq_lens_k) or sum(seq_lens_q) != q.shape[0] or sum(seq_lens_k) != k.shape[0]:
-        raise ValueError(f"seq_lens_q {seq_lens_q} and seq_lens_k {seq_lens_k} must describe q's "
-                         f"{q.shape[0]} and k's {k.shape[0]} rows")
+    varlen_prefix_sums(seq_lens_q, seq_lens_k, q.shape[0], k.shape[0])
     outs, lses = [], []
     qs = ks = 0
     for tq, tk in zip(seq_lens_q, seq_lens_k):

@@ -51,10 +51,11 @@ import torch
 import triton
 import triton.language as tl
 
+from longflash.attention.ops import varlen_prefix_sums
 from longflash.ops.tile_config import check_tile_shape
-from longflash.runner.step_inputs import to_device_async
 from longflash.ops.triton_env import interpreting
 from longflash.ops.triton_math import dot_acc
+from longflash.runner.step_inputs import to_device_async
 
 LOG2E = 1.4426950408889634
 
@@ -506,7 +507,12 @@ def _ensure_scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> None:
+    """The argument checks both launches share (their docstrings' Raises)."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (a float), got {type(scale).__name__}")
+    if not 0 < float(scale) < math.inf:
+        raise ValueError(f"scale must be a finite number > 0, got {float(scale)!r}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be 3-D ([T, heads, width]), got shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -561,11 +567,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         if isinstance(causal_offset, bool) or not hasattr(causal_offset, "__index__"):
             raise TypeError(f"causal_offset must be None or an int, got {causal_offset!r}")
         causal_offset = operator.index(causal_offset)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number (a float), got {type(scale).__name__}")
-    if not 0 < float(scale) < math.inf:
-        raise ValueError(f"scale must be a finite number > 0, got {float(scale)!r}")
-    _check(q, k, v)
+    _check(q, k, v, scale)
     Tq, H, D = q.shape
     Tk, Dv = k.shape[0], v.shape[2]
     out = torch.empty((Tq, H, Dv), dtype=q.dtype, device=q.device)
@@ -599,15 +601,6 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 
-def _prefix_sums(lens: list[int], name: str) -> list[int]:
-    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in lens):
-        raise ValueError(f"{name} must be ints >= 0, got {lens}")
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
-
-
 def attention_with_lse_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                               seq_lens_q: list[int], seq_lens_k: list[int], causal: bool, *,
                               config: dict | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -627,15 +620,8 @@ def attention_with_lse_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ValueError as :func:`attention_with_lse`, and for lengths that are not ints >= 0, lists of different
         lengths, or sums other than q's and k's rows.
     """
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number (a float), got {type(scale).__name__}")
-    if not 0 < float(scale) < math.inf:
-        raise ValueError(f"scale must be a finite number > 0, got {float(scale)!r}")
-    _check(q, k, v)
-    cu_q, cu_k = _prefix_sums(list(seq_lens_q), "seq_lens_q"), _prefix_sums(list(seq_lens_k), "seq_lens_k")
-    if len(cu_q) != len(cu_k) or cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0]:
-        raise ValueError(f"seq_lens_q ({len(cu_q) - 1} requests, {cu_q[-1]} rows) and seq_lens_k ({len(cu_k) - 1}, "
-                         f"{cu_k[-1]} rows) must describe q's {q.shape[0]} and k's {k.shape[0]} rows")
+    _check(q, k, v, scale)
+    cu_q, cu_k = varlen_prefix_sums(seq_lens_q, seq_lens_k, q.shape[0], k.shape[0])
     Tq, H, D = q.shape
     Dv = v.shape[2]
     out = torch.empty((Tq, H, Dv), dtype=q.dtype, device=q.device)
